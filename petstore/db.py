@@ -1,0 +1,127 @@
+"""The connection pool, the request's connection, and the migrations runner."""
+
+from __future__ import annotations
+
+import logging
+import re
+from importlib import resources
+from typing import Any
+
+import psycopg
+from flask import Flask, current_app, g
+from psycopg.rows import DictRow, dict_row
+from psycopg_pool import ConnectionPool
+
+log = logging.getLogger(__name__)
+
+Connection = psycopg.Connection[DictRow]
+
+# pg_advisory_lock key held while migrating, so that two `petstore db upgrade` wait for each other.
+MIGRATION_LOCK = 0x7065_7473_746F_7265 >> 1  # "petstore", kept inside bigint
+
+MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+
+
+def connection_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """libpq and psycopg options every connection of the service uses."""
+    return {
+        "autocommit": True,
+        "row_factory": dict_row,
+        "connect_timeout": config["DB_CONNECT_TIMEOUT"],
+        "application_name": "petstore",
+        "options": f"-c statement_timeout={config['DB_STATEMENT_TIMEOUT_MS']}",
+    }
+
+
+def init_app(app: Flask) -> None:
+    """Create the pool (one per process, opened without waiting) and release connections after each request."""
+    config = app.config
+    pool: ConnectionPool[Connection] = ConnectionPool(
+        config["DATABASE_URL"],
+        kwargs=connection_kwargs(config),
+        min_size=config["DB_POOL_SIZE"],
+        max_size=config["DB_POOL_SIZE"],
+        timeout=config["DB_POOL_TIMEOUT"],
+        reconnect_timeout=config["DB_RECONNECT_TIMEOUT"],
+        name="petstore",
+        open=False,
+    )
+    # Not waiting lets the app start while PostgreSQL is down: requests get 503 until it is back.
+    pool.open(wait=False)
+    app.extensions["petstore.pool"] = pool
+    app.teardown_appcontext(_release_conn)
+
+
+def get_pool() -> ConnectionPool[Connection]:
+    """The pool of the current app."""
+    pool: ConnectionPool[Connection] = current_app.extensions["petstore.pool"]
+    return pool
+
+
+def get_conn() -> Connection:
+    """The request's connection, taken from the pool on first use.
+
+    Connections are in autocommit mode: each statement is its own transaction,
+    which saves the BEGIN and COMMIT round trips. Code that needs several
+    statements to be atomic opens `with conn.transaction():` around them.
+    """
+    if "conn" not in g:
+        g.conn = get_pool().getconn()
+    conn: Connection = g.conn
+    return conn
+
+
+def _release_conn(exc: BaseException | None) -> None:
+    conn = g.pop("conn", None)
+    if conn is not None:
+        get_pool().putconn(conn)
+
+
+def discard_broken_connections() -> None:
+    """After a connection failed, make the pool test its idle ones so the next requests get live ones."""
+    conn = g.pop("conn", None)
+    pool = get_pool()
+    if conn is not None:
+        pool.putconn(conn)
+    pool.check()
+
+
+def connect(config: dict[str, Any]) -> Connection:
+    """A connection outside any request, for the CLI and tests."""
+    return psycopg.connect(config["DATABASE_URL"], **connection_kwargs(config))
+
+
+def migrations() -> list[tuple[str, str]]:
+    """(name, SQL) of every numbered migration shipped in the package, in order."""
+    files = resources.files("petstore.sql")
+    found = sorted(f.name for f in files.iterdir() if MIGRATION_NAME.match(f.name))
+    return [(name, files.joinpath(name).read_text(encoding="utf-8")) for name in found]
+
+
+def upgrade(conn: Connection) -> list[str]:
+    """Apply the migrations not yet applied, each in its own transaction; return their names."""
+    applied_now = []
+    conn.execute("select pg_advisory_lock(%s)", [MIGRATION_LOCK])
+    try:
+        with conn.transaction():
+            conn.execute(
+                """
+                create table if not exists schema_migrations (
+                    name       text primary key,
+                    applied_at timestamptz not null default now()
+                )
+                """
+            )
+        rows = conn.execute("select name from schema_migrations").fetchall()
+        done = {row["name"] for row in rows}
+        for name, text in migrations():
+            if name in done:
+                continue
+            with conn.transaction():
+                conn.execute(text.encode())
+                conn.execute("insert into schema_migrations (name) values (%s)", [name])
+            log.info("applied migration %s", name)
+            applied_now.append(name)
+    finally:
+        conn.execute("select pg_advisory_unlock(%s)", [MIGRATION_LOCK])
+    return applied_now

@@ -1,0 +1,108 @@
+"""The pets resource: list, create, and the deprecated get-one."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import urlencode
+
+from flask import Blueprint, Response, current_app, json, request
+from werkzeug.exceptions import UnsupportedMediaType
+from werkzeug.http import http_date
+
+from petstore import schemas
+from petstore.db import get_conn
+from petstore.errors import APIError
+from petstore.queries import pets
+
+bp = Blueprint("pets", __name__)
+
+PET_ID = schemas.DIGITS
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return current_app.response_class(
+        json.dumps(body), status=status, headers=headers, mimetype="application/json"
+    )
+
+
+def json_body() -> Any:
+    """The request body as JSON; 415 unless it is application/json, 400 unless it parses."""
+    if request.mimetype != "application/json":
+        raise UnsupportedMediaType()
+    try:
+        return json.loads(request.get_data(cache=False))
+    except ValueError:
+        raise APIError(400, "The request body is not valid JSON.") from None
+
+
+def validate(schema: schemas.Schema, data: Any) -> dict[str, Any]:
+    """Load `data` with `schema`, turning its complaints into a 400 naming each field."""
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    try:
+        loaded: dict[str, Any] = schema.load(data)
+    except schemas.ValidationError as exc:
+        assert isinstance(exc.messages, dict)
+        names = ", ".join(sorted(exc.messages))
+        raise APIError(400, f"Invalid value for: {names}.", errors=exc.messages) from None
+    return loaded
+
+
+@bp.get("/pets")
+def list_pets() -> Response:
+    """listPets: one page by id ascending; a Link rel=next when the page is full."""
+    query = validate(schemas.list_pets_query, request.args.to_dict())
+    status = query.get("status")
+    if status is None:
+        rows = pets.list_pets(get_conn(), after=query["after"], limit=query["limit"])
+    else:
+        rows = pets.list_pets_by_status(
+            get_conn(), status=status, after=query["after"], limit=query["limit"]
+        )
+    headers = {}
+    if len(rows) == query["limit"]:
+        params = {"limit": query["limit"], "after": rows[-1]["id"]}
+        if status is not None:
+            params["status"] = status
+        headers["Link"] = f'</v1/pets?{urlencode(params)}>; rel="next"'
+    return json_response(schemas.pet.dump(rows, many=True), headers=headers)
+
+
+@bp.post("/pets")
+def create_pet() -> Response:
+    """createPet: store a NewPet, answer 201 with the Pet and its Location."""
+    new_pet = validate(schemas.new_pet, json_body())
+    row = pets.insert_pet(
+        get_conn(),
+        name=new_pet["name"],
+        category_id=new_pet["category_id"],
+        status=new_pet.get("status"),
+    )
+    return json_response(
+        schemas.pet.dump(row), 201, headers={"Location": f"/v1/pets/{row['id']}"}
+    )
+
+
+@bp.get("/pets/<pet_id>")
+def get_pet(pet_id: str) -> Response:
+    """getPet (deprecated): one pet, with Deprecation, Sunset and a Link to its successor."""
+    config = current_app.config
+    headers = {
+        "Deprecation": f"@{config['DEPRECATED_AT']}",
+        "Sunset": http_date(config["SUNSET"]),
+        "Link": '</v1/pets>; rel="successor-version"',
+    }
+    if time.time() >= config["SUNSET"]:
+        raise APIError(
+            410,
+            "GET /v1/pets/{petId} was removed at its sunset; use GET /v1/pets with the status filter.",
+            headers=headers,
+        )
+    # Not an int64: no such pet (404), the same answer as for an id that does not exist.
+    if not PET_ID.fullmatch(pet_id) or int(pet_id) > schemas.INT64_MAX:
+        raise APIError(404, "No pet with this id.", headers=headers)
+    row = pets.find_pet(get_conn(), int(pet_id))
+    if row is None:
+        raise APIError(404, "No pet with this id.", headers=headers)
+    return json_response(schemas.pet.dump(row), headers=headers)

@@ -1,0 +1,1 @@
+"""The numbered SQL migrations, installed as the package petstore.sql."""

@@ -1,0 +1,117 @@
+"""Fixtures: a real PostgreSQL database migrated once per session, clean tables per test, apps, keys."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+from psycopg import conninfo, sql
+
+from petstore import auth, config, create_app, db
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_DBNAME = "petstore_test"
+
+
+def server_and_dbname() -> tuple[str, str, Path | None]:
+    """(URL of a database to administer the server from, name of the test database, embedded datadir)."""
+    explicit = os.environ.get("PETSTORE_TEST_DATABASE_URL")
+    if explicit:
+        dbname = conninfo.conninfo_to_dict(explicit).get("dbname")
+        if not dbname:
+            raise pytest.UsageError("PETSTORE_TEST_DATABASE_URL must name a database")
+        return conninfo.make_conninfo(explicit, dbname="postgres"), str(dbname), None
+    shared = os.environ.get("DATABASE_URL")
+    if shared:
+        # Never the application's own database: tests truncate tables.
+        return conninfo.make_conninfo(shared, dbname="postgres"), TEST_DBNAME, None
+    from petstore import embedded
+
+    datadir = ROOT / "var" / "test-postgres"
+    return embedded.ensure_running(datadir), TEST_DBNAME, datadir
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    """A freshly created, migrated test database; its libpq URL."""
+    admin_url, dbname, datadir = server_and_dbname()
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(dbname)))
+        admin.execute(sql.SQL("create database {}").format(sql.Identifier(dbname)))
+    url = conninfo.make_conninfo(admin_url, dbname=dbname)
+    settings = config.from_environ({"DATABASE_URL": url})
+    with db.connect(settings) as conn:
+        db.upgrade(conn)
+    yield url
+    if datadir is not None:
+        from petstore import embedded
+
+        embedded.stop(datadir)
+
+
+@pytest.fixture
+def conn(database_url: str) -> Iterator[db.Connection]:
+    """A direct connection to the test database, with every table emptied first."""
+    with db.connect(config.from_environ({"DATABASE_URL": database_url})) as conn:
+        conn.execute("truncate pets, api_keys restart identity cascade")
+        yield conn
+
+
+@pytest.fixture
+def make_app(conn: db.Connection, database_url: str) -> Iterator[Callable[..., Flask]]:
+    """Build apps with settings overridden; their pools are closed after the test."""
+    apps: list[Flask] = []
+
+    def build(**settings: Any) -> Flask:
+        app = create_app({"DATABASE_URL": database_url, "TESTING": True, **settings})
+        apps.append(app)
+        return app
+
+    yield build
+    for app in apps:
+        db_pool = app.extensions["petstore.pool"]
+        db_pool.close()
+
+
+@pytest.fixture
+def app(make_app: Callable[..., Flask]) -> Flask:
+    return make_app()
+
+
+@pytest.fixture
+def client(app: Flask) -> FlaskClient:
+    return app.test_client()
+
+
+@pytest.fixture
+def issue_key(conn: db.Connection) -> Callable[..., str]:
+    """Create a key through the same code as `petstore keys create`; return the secret."""
+
+    def issue(plan: str = "free", **numbers: Any) -> str:
+        key, _row = auth.issue_key(conn, plan, "test", numbers.get("per_minute"), numbers.get("per_day"))
+        return key
+
+    return issue
+
+
+@pytest.fixture
+def api_key(issue_key: Callable[..., str]) -> str:
+    return issue_key("free")
+
+
+@pytest.fixture
+def auth_headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"}
+
+
+def count_pets(conn: db.Connection) -> int:
+    row = conn.execute("select count(*) as n from pets").fetchone()
+    assert row is not None
+    n: int = row["n"]
+    return n
