@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from flask import Flask
+from werkzeug.middleware.proxy_fix import ProxyFix
 
-from petstore import auth, config, db, errors
+from petstore import auth, config, db, errors, limits
 from petstore.views import health, orders, pets
 
 
@@ -20,9 +21,22 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
         app.config.update(settings)
     config.check(app.config)
 
+    if app.config["PROXY_COUNT"]:
+        # Trust X-Forwarded-For/-Proto/-Host from exactly this many proxies, no more.
+        app.wsgi_app = ProxyFix(  # type: ignore[method-assign]
+            app.wsgi_app,
+            x_for=app.config["PROXY_COUNT"],
+            x_proto=app.config["PROXY_COUNT"],
+            x_host=app.config["PROXY_COUNT"],
+        )
+
     errors.init_app(app)
     db.init_app(app)
-    auth.init_app(app)
+    # The order of the request hooks matters: who is calling (never refuses), then their
+    # budget (per key, or per IP for the unidentified), then the refusal of the unidentified.
+    app.before_request(auth.identify_caller)
+    limits.init_app(app)
+    app.before_request(auth.require_caller)
 
     app.register_blueprint(health.bp)
     app.register_blueprint(pets.bp, url_prefix="/v1")

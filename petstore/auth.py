@@ -8,10 +8,10 @@ import secrets
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from flask import Flask, current_app, g, request
+from flask import current_app, g, request
 
 from petstore.db import Connection, get_conn
-from petstore.errors import APIError
+from petstore.errors import DATABASE_UNAVAILABLE, APIError
 from petstore.queries import keys
 
 KEY_PREFIX = "ps_"
@@ -86,19 +86,32 @@ def needs_key() -> bool:
 
 
 def identify_caller() -> None:
-    """Set g.caller (id, plan, per_minute, per_day of the key) or refuse with 401."""
+    """Find the key of the request; refuse nothing yet.
+
+    Sets g.caller to the key's row (id, plan, per_minute, per_day, banned_until),
+    or to None and g.refusal to the error to answer. Refusing happens later, in
+    require_caller, so that the rate limiter can count refused requests per IP.
+    """
     g.caller = None
+    g.refusal = None
     if not needs_key():
         return
     token = bearer_token()
     if token is None:
-        raise unauthorized("An API key is required: send 'Authorization: Bearer <key>'.", False)
-    row = keys.find_key_by_hash(get_conn(), hash_key(token)) if KEY_SHAPE.fullmatch(token) else None
+        g.refusal = unauthorized("An API key is required: send 'Authorization: Bearer <key>'.", False)
+        return
+    try:
+        row = keys.find_key_by_hash(get_conn(), hash_key(token)) if KEY_SHAPE.fullmatch(token) else None
+    except DATABASE_UNAVAILABLE as exc:
+        g.refusal = exc
+        return
     if row is None:
-        raise unauthorized("The API key is not valid.", True)
+        g.refusal = unauthorized("The API key is not valid.", True)
+        return
     g.caller = row
 
 
-def init_app(app: Flask) -> None:
-    """Identify the caller before every request."""
-    app.before_request(identify_caller)
+def require_caller() -> None:
+    """Answer the refusal identify_caller found (401, or 503 when the database is down)."""
+    if g.refusal is not None:
+        raise g.refusal

@@ -8,6 +8,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from limits import parse_many
+from limits.strategies import STRATEGIES
+
 
 class ConfigError(ValueError):
     """A setting is missing or has a value the service cannot use."""
@@ -47,6 +50,21 @@ def _str(text: str) -> str:
     return text
 
 
+def _strategy(text: str) -> str:
+    if text not in STRATEGIES:
+        raise ValueError(f"expected one of {', '.join(sorted(STRATEGIES))}")
+    return text
+
+
+def _limits(text: str) -> str:
+    """A flask-limiter limit string such as '60/minute;1000/day'."""
+    try:
+        parse_many(text)
+    except ValueError:
+        raise ValueError("expected limits such as '60/minute;1000/day'") from None
+    return text
+
+
 # name in the environment -> (Flask config key, parser, default)
 SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "DATABASE_URL": ("DATABASE_URL", _str, None),
@@ -60,6 +78,12 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_DEPRECATED_AT": ("DEPRECATED_AT", _instant, calendar.timegm((2026, 11, 26, 0, 0, 0))),
     "PETSTORE_SUNSET": ("SUNSET", _instant, calendar.timegm((2030, 12, 5, 0, 0, 0))),
     "PETSTORE_PROXY_COUNT": ("PROXY_COUNT", _int(0), 0),
+    "RATELIMIT_STORAGE_URI": ("RATELIMIT_STORAGE_URI", _str, "memory://"),
+    "PETSTORE_RATELIMIT_STRATEGY": ("RATELIMIT_STRATEGY", _strategy, "fixed-window"),
+    "PETSTORE_IP_LIMITS": ("IP_LIMITS", _limits, "60/minute;1000/day"),
+    "PETSTORE_BAN_THRESHOLD": ("BAN_THRESHOLD", _int(1), 10),
+    "PETSTORE_BAN_SECONDS": ("BAN_SECONDS", _int(1), 900),
+    "PETSTORE_REDIS_TIMEOUT": ("REDIS_TIMEOUT", _float(0.01), 0.25),
 }
 
 

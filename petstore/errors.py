@@ -14,6 +14,9 @@ from petstore import db
 
 log = logging.getLogger(__name__)
 
+# What psycopg raises when PostgreSQL is down, restarting, unreachable or too slow.
+DATABASE_UNAVAILABLE = (psycopg.OperationalError, psycopg.InterfaceError, psycopg_pool.PoolTimeout)
+
 # HTTP status -> Error code, for errors raised by werkzeug itself.
 CODES = {
     400: "invalid_request",
@@ -114,7 +117,6 @@ def init_app(app: Flask) -> None:
     """Register the handlers that turn every failure into the Error JSON."""
     app.register_error_handler(APIError, handle_api_error)
     app.register_error_handler(HTTPException, handle_http_exception)
-    app.register_error_handler(psycopg.OperationalError, handle_database_unavailable)
-    app.register_error_handler(psycopg.InterfaceError, handle_database_unavailable)
-    app.register_error_handler(psycopg_pool.PoolTimeout, handle_database_unavailable)
+    for error in DATABASE_UNAVAILABLE:
+        app.register_error_handler(error, handle_database_unavailable)
     app.register_error_handler(Exception, handle_unexpected)

@@ -8,16 +8,29 @@ from petstore.db import Connection
 
 
 def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None:
-    """The live (not revoked) key with this hash: its id, plan and per-key numbers."""
+    """The live key with this hash: id, plan, per-key numbers and the end of any active ban.
+
+    One query for both, so that checking bans costs no second round trip.
+    """
     return conn.execute(
         """
-        select id,
-               plan,
-               per_minute,
-               per_day
-          from api_keys
-         where key_hash = %(key_hash)s
-           and revoked_at is null
+        select k.id,
+               k.plan,
+               k.per_minute,
+               k.per_day,
+               b.banned_until
+          from api_keys k
+          left join lateral (
+                   select banned_until
+                     from bans
+                    where key_id = k.id
+                      and banned_until > now()
+                      and lifted_at is null
+                    order by banned_until desc
+                    limit 1
+               ) b on true
+         where k.key_hash = %(key_hash)s
+           and k.revoked_at is null
         """,
         {"key_hash": key_hash},
     ).fetchone()

@@ -1,0 +1,89 @@
+"""SQL over the bans table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from petstore.db import Connection
+
+
+def insert_ban(
+    conn: Connection, *, key_id: int, base_seconds: int, strikes: int
+) -> dict[str, Any] | None:
+    """Ban a key unless it is banned already; None then.
+
+    The length is `base_seconds`, or double the previous ban's (capped at 24 hours)
+    when that one ended less than 24 hours ago. Run it in a transaction: it takes
+    a lock on the key so that two workers cannot ban it twice.
+    """
+    conn.execute("select pg_advisory_xact_lock(%(key_id)s)", {"key_id": key_id})
+    return conn.execute(
+        """
+        with previous as (
+            select seconds,
+                   coalesce(lifted_at, banned_until) as ended_at
+              from bans
+             where key_id = %(key_id)s
+             order by banned_at desc
+             limit 1
+        ),
+        length as (
+            select coalesce(
+                       (select least(seconds * 2, 86400)
+                          from previous
+                         where ended_at > now() - interval '24 hours'),
+                       %(base_seconds)s
+                   ) as seconds
+        )
+        insert into bans (key_id, banned_until, seconds, strikes)
+        select %(key_id)s,
+               now() + make_interval(secs => length.seconds),
+               length.seconds,
+               %(strikes)s
+          from length
+         where not exists (
+                   select 1
+                     from bans
+                    where key_id = %(key_id)s
+                      and banned_until > now()
+                      and lifted_at is null
+               )
+        returning id, key_id, banned_at, banned_until, seconds
+        """,
+        {"key_id": key_id, "base_seconds": base_seconds, "strikes": strikes},
+    ).fetchone()
+
+
+def list_bans(conn: Connection) -> list[dict[str, Any]]:
+    """Every ban, newest first, with whether it is still in force."""
+    return conn.execute(
+        """
+        select b.id,
+               b.key_id,
+               k.prefix,
+               b.banned_at,
+               b.banned_until,
+               b.seconds,
+               b.strikes,
+               b.lifted_at,
+               (b.banned_until > now() and b.lifted_at is null) as active
+          from bans b
+          join api_keys k on k.id = b.key_id
+         order by b.banned_at desc, b.id desc
+        """
+    ).fetchall()
+
+
+def lift_bans(conn: Connection, key_id: int) -> int:
+    """End the key's active bans now; return how many were lifted."""
+    cur = conn.execute(
+        """
+        update bans
+           set lifted_at = now()
+         where key_id = %(key_id)s
+           and banned_until > now()
+           and lifted_at is null
+        """,
+        {"key_id": key_id},
+    )
+    return cur.rowcount
