@@ -66,7 +66,7 @@ def refuse_banned() -> None:
     g.rate_limit_headers = (caller_limit_amount(caller), 0, math.ceil(until))
     raise APIError(
         429,
-        f"This API key is banned until {caller["banned_until"].isoformat(timespec="seconds")} "
+        f"This API key is banned until {caller['banned_until'].isoformat(timespec='seconds')} "
         "for continuing to call after 429 responses.",
         "api_key_banned",
         headers={"Retry-After": str(seconds_until(until))},
