@@ -98,10 +98,16 @@ def identify_caller() -> None:
         return
     token = bearer_token()
     if token is None:
-        g.refusal = unauthorized("An API key is required: send 'Authorization: Bearer <key>'.", False)
+        g.refusal = unauthorized(
+            "An API key is required: send 'Authorization: Bearer <key>'.", False
+        )
         return
     try:
-        row = keys.find_key_by_hash(get_conn(), hash_key(token)) if KEY_SHAPE.fullmatch(token) else None
+        row = (
+            keys.find_key_by_hash(get_conn(), hash_key(token))
+            if KEY_SHAPE.fullmatch(token)
+            else None
+        )
     except DATABASE_UNAVAILABLE as exc:
         g.refusal = exc
         return

@@ -1,4 +1,4 @@
-"""The `petstore` command: db, keys and serve."""
+"""The `petstore` command: db, keys, bans and serve."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import psycopg
 from psycopg import sql
 
 from petstore import auth, config, db
-from petstore.queries import keys
+from petstore.queries import bans, keys
 
 PLANS = ("free", "pro", "business", "enterprise")
 DEV_KEY_LABEL = "development key (make run)"
@@ -62,15 +62,21 @@ def keys_group() -> None:
 @keys_group.command("create")
 @click.option("--plan", type=click.Choice(PLANS), required=True)
 @click.option("--label", default="", help="A note to recognise the key by.")
-@click.option("--per-minute", type=click.IntRange(min=1), help="Requests per minute (enterprise: required).")
-@click.option("--per-day", type=click.IntRange(min=1), help="Requests per day (enterprise: required).")
+@click.option(
+    "--per-minute", type=click.IntRange(min=1), help="Requests per minute (enterprise: required)."
+)
+@click.option(
+    "--per-day", type=click.IntRange(min=1), help="Requests per day (enterprise: required)."
+)
 def keys_create(plan: str, label: str, per_minute: int | None, per_day: int | None) -> None:
     """Create a key; it is printed once, alone on the last line, and stored only hashed."""
     if plan == "enterprise" and (per_minute is None or per_day is None):
         raise click.UsageError("an enterprise key needs both --per-minute and --per-day")
     with connect(load_settings()) as conn:
         key, row = auth.issue_key(conn, plan, label, per_minute, per_day)
-    click.echo(f"created key {row['id']} ({row['prefix']}..., plan {row['plan']}); it is shown only now:")
+    click.echo(
+        f"created key {row['id']} ({row['prefix']}..., plan {row['plan']}); it is shown only now:"
+    )
     click.echo(key)
 
 
@@ -79,7 +85,9 @@ def keys_list() -> None:
     """Every key: id, prefix, plan, numbers, label, state."""
     with connect(load_settings()) as conn:
         rows = keys.list_keys(conn)
-    click.echo(f"{'id':>6}  {'prefix':<12} {'plan':<10} {'/minute':>8} {'/day':>9}  {'state':<8} label")
+    click.echo(
+        f"{'id':>6}  {'prefix':<12} {'plan':<10} {'/minute':>8} {'/day':>9}  {'state':<8} label"
+    )
     for row in rows:
         state = "revoked" if row["revoked_at"] else "live"
         click.echo(
@@ -96,6 +104,40 @@ def keys_revoke(key_id: int) -> None:
         if not keys.revoke_key(conn, key_id):
             raise click.ClickException(f"no live key with id {key_id}")
     click.echo(f"revoked key {key_id}")
+
+
+@main.group("bans")
+def bans_group() -> None:
+    """Bans of keys that kept calling after 429."""
+
+
+@bans_group.command("list")
+def bans_list() -> None:
+    """Every ban, newest first: active ones and past ones."""
+    with connect(load_settings()) as conn:
+        rows = bans.list_bans(conn)
+    click.echo(f"{'key':>6}  {'prefix':<12} {'banned at':<25} {'until':<25} {'seconds':>7}  state")
+    for row in rows:
+        if row["active"]:
+            state = "active"
+        elif row["lifted_at"]:
+            state = f"lifted {row['lifted_at']:%Y-%m-%d %H:%M:%S%z}"
+        else:
+            state = "ended"
+        click.echo(
+            f"{row['key_id']:>6}  {row['prefix']:<12} {row['banned_at']:%Y-%m-%d %H:%M:%S%z}  "
+            f"{row['banned_until']:%Y-%m-%d %H:%M:%S%z}  {row['seconds']:>7}  {state}"
+        )
+
+
+@bans_group.command("lift")
+@click.argument("key_id", type=int)
+def bans_lift(key_id: int) -> None:
+    """End the key's active ban now."""
+    with connect(load_settings()) as conn:
+        if not bans.lift_bans(conn, key_id):
+            raise click.ClickException(f"key {key_id} has no active ban")
+    click.echo(f"lifted the ban of key {key_id}")
 
 
 def ensure_database(server_url: str, dbname: str) -> None:

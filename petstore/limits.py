@@ -127,7 +127,9 @@ def strike(limiter: Limiter, caller: dict[str, Any], breached: RequestLimit) -> 
     # A new ban starts a new count: after it ends, the key gets a full threshold again.
     storage.clear(strike_key)
     if ban is not None:
-        log.warning("banned key %s for %s s after %s strikes", caller["id"], ban["seconds"], strikes)
+        log.warning(
+            "banned key %s for %s s after %s strikes", caller["id"], ban["seconds"], strikes
+        )
 
 
 def set_headers(response: Response) -> Response:

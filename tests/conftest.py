@@ -42,7 +42,9 @@ def database_url() -> Iterator[str]:
     """A freshly created, migrated test database; its libpq URL."""
     admin_url, dbname, datadir = server_and_dbname()
     with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(dbname)))
+        admin.execute(
+            sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(dbname))
+        )
         admin.execute(sql.SQL("create database {}").format(sql.Identifier(dbname)))
     url = conninfo.make_conninfo(admin_url, dbname=dbname)
     settings = config.from_environ({"DATABASE_URL": url})
@@ -94,7 +96,9 @@ def issue_key(conn: db.Connection) -> Callable[..., str]:
     """Create a key through the same code as `petstore keys create`; return the secret."""
 
     def issue(plan: str = "free", **numbers: Any) -> str:
-        key, _row = auth.issue_key(conn, plan, "test", numbers.get("per_minute"), numbers.get("per_day"))
+        key, _row = auth.issue_key(
+            conn, plan, "test", numbers.get("per_minute"), numbers.get("per_day")
+        )
         return key
 
     return issue
