@@ -209,6 +209,8 @@ def run_gunicorn(bind: str) -> int:
         os.environ.get("PETSTORE_DB_POOL_SIZE", "4"),
         "--access-logfile",
         "-",
+        # One machine may run several instances; gunicorn's shared default control socket would clash.
+        "--no-control-socket",
         "wsgi:app",
     ]
     child = subprocess.Popen(command)

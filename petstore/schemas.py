@@ -38,10 +38,15 @@ class NewPetSchema(Schema):
     status = fields.String(validate=validate.OneOf(PET_STATUSES))
 
     @validates("name")
-    def no_nul(self, value: str, **kwargs: Any) -> None:
-        # PostgreSQL text cannot hold NUL; say so instead of failing in the database.
+    def storable_text(self, value: str, **kwargs: Any) -> None:
+        # PostgreSQL text cannot hold NUL, nor UTF-8 a lone surrogate ("\ud800" is valid JSON):
+        # say so instead of failing in the database.
         if "\x00" in value:
             raise ValidationError("Must not contain the NUL character.")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValidationError("Must be valid Unicode: no unpaired surrogate.") from None
 
 
 class PetSchema(Schema):

@@ -6,6 +6,7 @@ from typing import Any
 
 from petstore.db import Connection
 
+
 def list_pets(conn: Connection, *, after: int, limit: int) -> list[dict[str, Any]]:
     """Pets with id > after, by id ascending (keyset page over the primary key)."""
     return conn.execute(

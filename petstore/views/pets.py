@@ -7,7 +7,8 @@ from typing import Any
 from urllib.parse import urlencode
 
 from flask import Blueprint, Response, current_app, json, request
-from werkzeug.exceptions import UnsupportedMediaType
+from marshmallow import Schema, ValidationError
+from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
 from werkzeug.http import http_date
 
 from petstore import schemas
@@ -26,23 +27,39 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     )
 
 
+def request_body() -> bytes:
+    """The request body; 413 when it is longer than MAX_CONTENT_LENGTH, chunked bodies included."""
+    data = request.get_data(cache=False)
+    cap = request.max_content_length
+    # Without a Content-Length (chunked), werkzeug stops reading at the cap without complaint:
+    # a byte left unread means the body was longer.
+    if request.content_length is None and cap is not None and len(data) >= cap:
+        if request.input_stream.read(1):
+            raise RequestEntityTooLarge()
+    return data
+
+
 def json_body() -> Any:
     """The request body as JSON; 415 unless it is application/json, 400 unless it parses."""
     if request.mimetype != "application/json":
         raise UnsupportedMediaType()
+    data = request_body()
     try:
-        return json.loads(request.get_data(cache=False))
+        return json.loads(data)
     except ValueError:
         raise APIError(400, "The request body is not valid JSON.") from None
+    except RecursionError:
+        # The C decoder recurses once per nesting level; no valid NewPet nests deeper than one.
+        raise APIError(400, "The request body is nested too deeply.") from None
 
 
-def validate(schema: schemas.Schema, data: Any) -> dict[str, Any]:
+def validate(schema: Schema, data: Any) -> dict[str, Any]:
     """Load `data` with `schema`, turning its complaints into a 400 naming each field."""
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.")
     try:
         loaded: dict[str, Any] = schema.load(data)
-    except schemas.ValidationError as exc:
+    except ValidationError as exc:
         assert isinstance(exc.messages, dict)
         names = ", ".join(sorted(exc.messages))
         raise APIError(400, f"Invalid value for: {names}.", errors=exc.messages) from None
@@ -79,9 +96,7 @@ def create_pet() -> Response:
         category_id=new_pet["category_id"],
         status=new_pet.get("status"),
     )
-    return json_response(
-        schemas.pet.dump(row), 201, headers={"Location": f"/v1/pets/{row['id']}"}
-    )
+    return json_response(schemas.pet.dump(row), 201, headers={"Location": f"/v1/pets/{row['id']}"})
 
 
 @bp.get("/pets/<pet_id>")
