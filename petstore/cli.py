@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +31,19 @@ def load_settings() -> dict[str, Any]:
     return settings
 
 
-def connect(settings: dict[str, Any]) -> db.Connection:
+@contextlib.contextmanager
+def database(settings: dict[str, Any] | None = None) -> Iterator[db.Connection]:
+    """A connection for one command; PostgreSQL's complaints become a one-line error, not a traceback."""
+    settings = settings or load_settings()
     try:
-        return db.connect(settings)
-    except psycopg.OperationalError as exc:
+        conn = db.connect(settings)
+    except psycopg.Error as exc:
         raise click.ClickException(f"cannot connect to PostgreSQL: {exc}") from None
+    try:
+        with conn:
+            yield conn
+    except psycopg.Error as exc:
+        raise click.ClickException(f"PostgreSQL: {exc}") from None
 
 
 @click.group()
@@ -49,7 +59,7 @@ def db_group() -> None:
 @db_group.command("upgrade")
 def db_upgrade() -> None:
     """Apply the migrations not yet applied (safe to run concurrently)."""
-    with connect(load_settings()) as conn:
+    with database() as conn:
         applied = db.upgrade(conn)
     click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
 
@@ -72,7 +82,7 @@ def keys_create(plan: str, label: str, per_minute: int | None, per_day: int | No
     """Create a key; it is printed once, alone on the last line, and stored only hashed."""
     if plan == "enterprise" and (per_minute is None or per_day is None):
         raise click.UsageError("an enterprise key needs both --per-minute and --per-day")
-    with connect(load_settings()) as conn:
+    with database() as conn:
         key, row = auth.issue_key(conn, plan, label, per_minute, per_day)
     click.echo(
         f"created key {row['id']} ({row['prefix']}..., plan {row['plan']}); it is shown only now:"
@@ -83,7 +93,7 @@ def keys_create(plan: str, label: str, per_minute: int | None, per_day: int | No
 @keys_group.command("list")
 def keys_list() -> None:
     """Every key: id, prefix, plan, numbers, label, state."""
-    with connect(load_settings()) as conn:
+    with database() as conn:
         rows = keys.list_keys(conn)
     click.echo(
         f"{'id':>6}  {'prefix':<12} {'plan':<10} {'/minute':>8} {'/day':>9}  {'state':<8} label"
@@ -100,7 +110,7 @@ def keys_list() -> None:
 @click.argument("key_id", type=int)
 def keys_revoke(key_id: int) -> None:
     """Revoke a key now; its next request gets 401."""
-    with connect(load_settings()) as conn:
+    with database() as conn:
         if not keys.revoke_key(conn, key_id):
             raise click.ClickException(f"no live key with id {key_id}")
     click.echo(f"revoked key {key_id}")
@@ -114,7 +124,7 @@ def bans_group() -> None:
 @bans_group.command("list")
 def bans_list() -> None:
     """Every ban, newest first: active ones and past ones."""
-    with connect(load_settings()) as conn:
+    with database() as conn:
         rows = bans.list_bans(conn)
     click.echo(f"{'key':>6}  {'prefix':<12} {'banned at':<25} {'until':<25} {'seconds':>7}  state")
     for row in rows:
@@ -134,7 +144,7 @@ def bans_list() -> None:
 @click.argument("key_id", type=int)
 def bans_lift(key_id: int) -> None:
     """End the key's active ban now."""
-    with connect(load_settings()) as conn:
+    with database() as conn:
         if not bans.lift_bans(conn, key_id):
             raise click.ClickException(f"key {key_id} has no active ban")
     click.echo(f"lifted the ban of key {key_id}")
@@ -175,7 +185,7 @@ def serve(bind: str, var_dir: Path) -> None:
         os.environ["DATABASE_URL"] = embedded.url(embedded_dir, "petstore")
     try:
         settings = load_settings()
-        with connect(settings) as conn:
+        with database(settings) as conn:
             db.upgrade(conn)
             # Keys are shown once and stored hashed, so each run makes a new dev key and retires the last.
             keys.revoke_keys_labelled(conn, DEV_KEY_LABEL)

@@ -101,6 +101,9 @@ def migrations() -> list[tuple[str, str]]:
 def upgrade(conn: Connection) -> list[str]:
     """Apply the migrations not yet applied, each in its own transaction; return their names."""
     applied_now = []
+    # Waiting for another upgrade, or building an index on a big table, may take longer than
+    # the service's statement timeout: migrations have none.
+    conn.execute("set statement_timeout = 0")
     conn.execute("select pg_advisory_lock(%s)", [MIGRATION_LOCK])
     try:
         with conn.transaction():

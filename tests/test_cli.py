@@ -1,0 +1,372 @@
+"""The `petstore` command: keys create/list/revoke, and db upgrade (idempotent, safe when run twice at once)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from click.testing import CliRunner, Result
+from databases import empty_database
+from flask.testing import FlaskClient
+
+from petstore import db
+from petstore.cli import main
+
+KEY = re.compile(r"ps_[A-Za-z0-9_-]{43}")
+PETSTORE = Path(sys.executable).parent / "petstore"
+
+Cli = Callable[..., Result]
+
+
+@pytest.fixture
+def cli(database_url: str, conn: db.Connection) -> Cli:
+    """Run `petstore ARGS...` in-process against the (emptied) test database."""
+
+    def run(*args: str, env: dict[str, str | None] | None = None) -> Result:
+        return CliRunner().invoke(
+            main, list(args), env={"DATABASE_URL": database_url, **(env or {})}
+        )
+
+    return run
+
+
+def created_key(result: Result) -> str:
+    """The key that `keys create` printed alone on its last line of stdout."""
+    assert result.exit_code == 0, result.output
+    last = result.stdout.splitlines()[-1]
+    assert KEY.fullmatch(last), f"the last line is not a key alone: {last!r}"
+    return last
+
+
+def key_row(conn: db.Connection, key: str) -> dict[str, object]:
+    row = conn.execute(
+        "select id, label, plan::text as plan, per_minute, per_day, revoked_at from api_keys where key_hash = %s",
+        [hashlib.sha256(key.encode()).digest()],
+    ).fetchone()
+    assert row is not None, "no api_keys row has this key's hash"
+    return row
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def key_count(conn: db.Connection) -> int:
+    row = conn.execute("select count(*) as n from api_keys").fetchone()
+    assert row is not None
+    n: int = row["n"]
+    return n
+
+
+# keys create
+
+
+def test_keys_create_prints_a_key_that_authenticates(
+    cli: Cli, conn: db.Connection, client: FlaskClient
+) -> None:
+    result = cli("keys", "create", "--plan", "free", "--label", "x")
+
+    key = created_key(result)
+    assert result.stdout.count(key) == 1
+    assert key_row(conn, key) == {
+        "id": 1,
+        "label": "x",
+        "plan": "free",
+        "per_minute": None,
+        "per_day": None,
+        "revoked_at": None,
+    }
+    response = client.get("/v1/pets", headers=bearer(key))
+    assert response.status_code == 200
+    assert response.get_json() == []
+
+
+@pytest.mark.parametrize(
+    ("args", "plan", "per_minute", "per_day"),
+    [
+        pytest.param(["--plan", "pro"], "pro", None, None, id="pro"),
+        pytest.param(["--plan", "business"], "business", None, None, id="business"),
+        pytest.param(
+            ["--plan", "pro", "--per-minute", "10"], "pro", 10, None, id="pro-overrides-per-minute"
+        ),
+        pytest.param(
+            ["--plan", "enterprise", "--per-minute", "5000", "--per-day", "900000"],
+            "enterprise",
+            5000,
+            900000,
+            id="enterprise-with-both-numbers",
+        ),
+    ],
+)
+def test_keys_create_stores_plan_and_numbers(
+    cli: Cli,
+    conn: db.Connection,
+    client: FlaskClient,
+    args: list[str],
+    plan: str,
+    per_minute: int | None,
+    per_day: int | None,
+) -> None:
+    key = created_key(cli("keys", "create", *args))
+
+    row = key_row(conn, key)
+    assert (row["plan"], row["per_minute"], row["per_day"]) == (plan, per_minute, per_day)
+    assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["--plan", "enterprise"], id="enterprise-without-numbers"),
+        pytest.param(
+            ["--plan", "enterprise", "--per-minute", "100"], id="enterprise-without-per-day"
+        ),
+        pytest.param(
+            ["--plan", "enterprise", "--per-day", "1000"], id="enterprise-without-per-minute"
+        ),
+        pytest.param(["--plan", "gold"], id="unknown-plan"),
+        pytest.param([], id="no-plan"),
+        pytest.param(["--plan", "free", "--per-minute", "0"], id="per-minute-zero"),
+        pytest.param(["--plan", "free", "--per-day", "-1"], id="per-day-negative"),
+        pytest.param(["--plan", "free", "--per-minute", "ten"], id="per-minute-not-a-number"),
+    ],
+)
+def test_keys_create_usage_error_stores_nothing(
+    cli: Cli, conn: db.Connection, args: list[str]
+) -> None:
+    result = cli("keys", "create", *args)
+
+    assert result.exit_code == 2, result.output
+    assert not KEY.search(result.output)
+    assert key_count(conn) == 0
+
+
+def test_keys_create_usage_error_names_the_missing_numbers(cli: Cli) -> None:
+    result = cli("keys", "create", "--plan", "enterprise", "--per-minute", "100")
+
+    assert result.exit_code == 2
+    assert "--per-day" in result.stderr
+
+
+# keys list
+
+
+def test_keys_list_shows_prefix_and_plan_but_never_the_key(cli: Cli, conn: db.Connection) -> None:
+    free = created_key(cli("keys", "create", "--plan", "free", "--label", "mobile app"))
+    pro = created_key(cli("keys", "create", "--plan", "pro", "--label", "partner"))
+    assert cli("keys", "revoke", str(key_row(conn, pro)["id"])).exit_code == 0
+
+    result = cli("keys", "list")
+
+    assert result.exit_code == 0, result.output
+    prefixes = {
+        row["prefix"]: row["plan"]
+        for row in conn.execute("select prefix, plan::text as plan from api_keys")
+    }
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3  # a heading and the two keys
+    for key, label, state in ((free, "mobile app", "live"), (pro, "partner", "revoked")):
+        (prefix,) = [prefix for prefix in prefixes if key.startswith(prefix)]
+        (line,) = [line for line in lines if prefix in line]
+        assert prefixes[prefix] in line.split()
+        assert label in line
+        assert state in line.split()
+        # Neither the key nor anything of it beyond the display prefix is shown.
+        assert key[: len(prefix) + 1] not in result.output
+
+
+def test_keys_list_on_no_keys(cli: Cli) -> None:
+    result = cli("keys", "list")
+
+    assert result.exit_code == 0
+    assert len(result.stdout.splitlines()) == 1
+
+
+# keys revoke
+
+
+def test_keys_revoke_makes_the_key_401_and_cannot_be_repeated(
+    cli: Cli, conn: db.Connection, client: FlaskClient
+) -> None:
+    key = created_key(cli("keys", "create", "--plan", "free"))
+    key_id = key_row(conn, key)["id"]
+    assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
+
+    revoked = cli("keys", "revoke", str(key_id))
+
+    assert revoked.exit_code == 0, revoked.output
+    response = client.get("/v1/pets", headers=bearer(key))
+    assert response.status_code == 401
+    assert response.get_json()["code"] == "unauthorized"
+    revoked_at = key_row(conn, key)["revoked_at"]
+    assert revoked_at is not None
+
+    again = cli("keys", "revoke", str(key_id))
+
+    assert again.exit_code != 0
+    assert str(key_id) in again.output
+    assert key_row(conn, key)["revoked_at"] == revoked_at
+
+
+def test_keys_revoke_leaves_other_keys_alone(
+    cli: Cli, conn: db.Connection, client: FlaskClient
+) -> None:
+    kept = created_key(cli("keys", "create", "--plan", "free"))
+    gone = created_key(cli("keys", "create", "--plan", "free"))
+
+    assert cli("keys", "revoke", str(key_row(conn, gone)["id"])).exit_code == 0
+
+    assert client.get("/v1/pets", headers=bearer(kept)).status_code == 200
+    assert key_row(conn, kept)["revoked_at"] is None
+
+
+@pytest.mark.parametrize(
+    ("key_id", "exit_code"),
+    [pytest.param("999", 1, id="unknown-id"), pytest.param("abc", 2, id="not-a-number")],
+)
+def test_keys_revoke_of_no_such_key_fails(cli: Cli, key_id: str, exit_code: int) -> None:
+    result = cli("keys", "revoke", key_id)
+
+    assert result.exit_code == exit_code, result.output
+
+
+# configuration errors
+
+
+def test_without_database_url_the_cli_says_so(cli: Cli) -> None:
+    result = cli("keys", "list", env={"DATABASE_URL": None})
+
+    assert result.exit_code == 1
+    assert "DATABASE_URL" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_unreachable_database_is_a_clear_error(cli: Cli) -> None:
+    result = cli("db", "upgrade", env={"DATABASE_URL": "postgresql://postgres@127.0.0.1:1/none"})
+
+    assert result.exit_code == 1
+    assert "cannot connect" in result.stderr
+    assert "Traceback" not in result.output
+
+
+# db upgrade
+
+
+def applied_migrations(conn: db.Connection) -> list[str]:
+    return [row["name"] for row in conn.execute("select name from schema_migrations order by name")]
+
+
+def test_db_upgrade_is_idempotent(cli: Cli, conn: db.Connection) -> None:
+    before = applied_migrations(conn)
+
+    first = cli("db", "upgrade")
+    second = cli("db", "upgrade")
+
+    for result in (first, second):
+        assert result.exit_code == 0, result.output
+        assert result.stdout.strip() == "schema is up to date"
+    assert applied_migrations(conn) == before == [name for name, _sql in db.migrations()]
+
+
+@pytest.fixture
+def migrate_database_url(database_url: str) -> Iterator[str]:
+    """A new empty database, for `petstore db upgrade` to start from nothing."""
+    with empty_database(database_url, "_migrate") as url:
+        yield url
+
+
+def waiting_for_lock(conn: psycopg.Connection[tuple[int]]) -> int:
+    """How many sessions of this database wait for an advisory lock."""
+    row = conn.execute(
+        """
+        select count(*)
+          from pg_locks
+         where locktype = 'advisory'
+           and not granted
+           and database = (select oid from pg_database where datname = current_database())
+        """
+    ).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def start_upgrade(url: str, **environ: str) -> subprocess.Popen[str]:
+    """`petstore db upgrade` as its own process, as two deploy scripts would run it."""
+    return subprocess.Popen(
+        [str(PETSTORE), "db", "upgrade"],
+        env={**os.environ, "DATABASE_URL": url, **environ},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_until_waiting(
+    conn: psycopg.Connection[tuple[int]], processes: list[subprocess.Popen[str]]
+) -> None:
+    """Poll until every process waits for the migration lock (fail if one exits first)."""
+    deadline = time.monotonic() + 30
+    while waiting_for_lock(conn) < len(processes):
+        for process in processes:
+            if process.poll() is not None:
+                out, err = process.communicate()
+                pytest.fail(f"`petstore db upgrade` exited {process.returncode} early:\n{out}{err}")
+        assert time.monotonic() < deadline, "the upgrades never reached the migration lock"
+        time.sleep(0.02)  # a poll interval, not a wait for something to happen
+
+
+def test_two_concurrent_upgrades_of_an_empty_database(migrate_database_url: str) -> None:
+    with psycopg.connect(migrate_database_url, autocommit=True) as holder:
+        # Hold the migration lock so that both processes are surely at the start line together.
+        holder.execute("select pg_advisory_lock(%s)", [db.MIGRATION_LOCK])
+        processes = [start_upgrade(migrate_database_url) for _ in range(2)]
+        try:
+            wait_until_waiting(holder, processes)
+        finally:
+            holder.execute("select pg_advisory_unlock(%s)", [db.MIGRATION_LOCK])
+        outputs = [process.communicate(timeout=60) for process in processes]
+
+        for process, (out, err) in zip(processes, outputs, strict=True):
+            assert process.returncode == 0, out + err
+        names = [name for name, _sql in db.migrations()]
+        stdouts = sorted(out.strip() for out, _err in outputs)
+        assert stdouts == sorted([f"applied: {', '.join(names)}", "schema is up to date"])
+        rows = holder.execute(
+            "select name, count(*) from schema_migrations group by name order by name"
+        ).fetchall()
+        assert rows == [(name, 1) for name in names]
+        tables = holder.execute("select to_regclass('pets'), to_regclass('api_keys')").fetchone()
+        assert tables == ("pets", "api_keys")
+
+
+def test_an_upgrade_waits_for_a_slow_one_beyond_the_statement_timeout(
+    migrate_database_url: str,
+) -> None:
+    with psycopg.connect(migrate_database_url, autocommit=True) as holder:
+        # Another upgrade holds the lock longer than the service's statement timeout (shrunk to 50 ms here):
+        # a migration may take that long, and the waiting upgrade must not fail because of it.
+        holder.execute("select pg_advisory_lock(%s)", [db.MIGRATION_LOCK])
+        process = start_upgrade(migrate_database_url, PETSTORE_DB_STATEMENT_TIMEOUT_MS="50")
+        try:
+            wait_until_waiting(holder, [process])
+            try:
+                process.wait(timeout=1)  # twenty statement timeouts
+            except subprocess.TimeoutExpired:
+                pass  # still waiting for the lock, as it should
+            else:
+                out, err = process.communicate()
+                pytest.fail(f"the waiting upgrade exited {process.returncode}: {err[-300:]}")
+        finally:
+            holder.execute("select pg_advisory_unlock(%s)", [db.MIGRATION_LOCK])
+        out, err = process.communicate(timeout=60)
+
+    assert process.returncode == 0, out + err
+    assert out.startswith("applied: ")

@@ -1,0 +1,178 @@
+"""`pip install .` into a clean venv outside the checkout gives a working `petstore` command and app."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from databases import empty_database
+
+ROOT = Path(__file__).resolve().parent.parent
+MIGRATION = re.compile(r"^\d{4}_[a-z0-9_]+\.sql$")
+
+
+def checkout_files() -> list[str]:
+    """What a clean clone of the working tree would hold: tracked and new files, not ignored ones."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    return [name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A working directory outside the checkout, so nothing is imported from it by accident."""
+    path = tmp_path_factory.mktemp("outside")
+    assert ROOT not in path.parents
+    return path
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory, outside: Path) -> Path:
+    """A clean venv with the project `pip install`ed into it (with its dependencies, from the index)."""
+    # Install from a copy of the tree, as from a fresh clone: a stale build/ in the checkout
+    # would otherwise hide files that the package data configuration forgets.
+    source = tmp_path_factory.mktemp("source")
+    for name in checkout_files():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
+    path = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True, cwd=outside)
+    subprocess.run(
+        [
+            str(path / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            str(source),
+        ],
+        check=True,
+        cwd=outside,
+        env=clean_environ(),
+    )
+    shutil.rmtree(source)  # the installed package must not need its source any more
+    return path
+
+
+def clean_environ(**extra: str) -> dict[str, str]:
+    """The environment without anything that would point Python at the checkout or its venv."""
+    environ = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
+        and not name.startswith("PETSTORE_")
+    }
+    environ.pop("DATABASE_URL", None)
+    return {**environ, **extra}
+
+
+def run(
+    venv: Path, outside: Path, program: str, *args: str, **environ: str
+) -> subprocess.CompletedProcess[str]:
+    """Run a program of the venv from outside the checkout; fail with its output unless it succeeds."""
+    result = subprocess.run(
+        [str(venv / "bin" / program), *args],
+        cwd=outside,
+        env=clean_environ(**environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+@pytest.fixture
+def fresh_database_url(database_url: str) -> Iterator[str]:
+    with empty_database(database_url, "_pkg") as url:
+        yield url
+
+
+def test_petstore_command_is_installed(venv: Path, outside: Path) -> None:
+    result = run(venv, outside, "petstore", "--help")
+
+    assert "Usage: petstore" in result.stdout
+    for command in ("db", "keys", "serve"):
+        assert re.search(rf"^\s+{command}\s", result.stdout, re.MULTILINE), result.stdout
+
+
+def test_migrations_ship_inside_the_installed_package(venv: Path, outside: Path) -> None:
+    in_checkout = sorted(
+        path.name for path in (ROOT / "sql").iterdir() if MIGRATION.match(path.name)
+    )
+
+    result = run(
+        venv,
+        outside,
+        "python",
+        "-c",
+        "import petstore.db; print(petstore.db.__file__); print(*(name for name, _ in petstore.db.migrations()))",
+    )
+
+    module_file, names = result.stdout.splitlines()
+    assert Path(module_file).is_relative_to(venv)
+    assert not Path(module_file).is_relative_to(ROOT)
+    assert in_checkout
+    assert names.split() == in_checkout
+
+
+def test_installed_db_upgrade_migrates_a_fresh_database(
+    venv: Path, outside: Path, fresh_database_url: str
+) -> None:
+    first = run(venv, outside, "petstore", "db", "upgrade", DATABASE_URL=fresh_database_url)
+    second = run(venv, outside, "petstore", "db", "upgrade", DATABASE_URL=fresh_database_url)
+
+    assert first.stdout.startswith("applied: 0001_")
+    assert second.stdout.strip() == "schema is up to date"
+    with psycopg.connect(fresh_database_url) as conn:
+        tables = conn.execute(
+            "select to_regclass('pets') is not null, to_regclass('api_keys') is not null"
+        ).fetchone()
+    assert tables == (True, True)
+
+
+def test_installed_wsgi_app_serves_the_api(
+    venv: Path, outside: Path, fresh_database_url: str
+) -> None:
+    run(venv, outside, "petstore", "db", "upgrade", DATABASE_URL=fresh_database_url)
+    created = run(
+        venv,
+        outside,
+        "petstore",
+        "keys",
+        "create",
+        "--plan",
+        "free",
+        DATABASE_URL=fresh_database_url,
+    )
+    key = created.stdout.splitlines()[-1]
+
+    script = (
+        "import sys, wsgi\n"
+        "print(wsgi.__file__)\n"
+        "client = wsgi.app.test_client()\n"
+        "headers = {'Authorization': 'Bearer ' + sys.argv[1]}\n"
+        "created = client.post('/v1/pets', json={'name': 'Rex', 'categoryId': 1}, headers=headers)\n"
+        "listed = client.get('/v1/pets', headers=headers)\n"
+        "print(created.status_code, listed.status_code)\n"
+        "print(listed.get_data(as_text=True))\n"
+    )
+    result = run(venv, outside, "python", "-c", script, key, DATABASE_URL=fresh_database_url)
+
+    module_file, statuses, listing = result.stdout.splitlines()
+    assert Path(module_file).is_relative_to(venv)
+    assert statuses == "201 200"
+    assert json.loads(listing) == [{"id": 1, "name": "Rex", "categoryId": 1}]
