@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from flask import current_app, g, request
 
-from petstore.db import Connection, get_conn
+from petstore.db import Connection, first_query
 from petstore.errors import DATABASE_UNAVAILABLE, APIError
 from petstore.queries import keys
 
@@ -104,7 +104,7 @@ def identify_caller() -> None:
         return
     try:
         row = (
-            keys.find_key_by_hash(get_conn(), hash_key(token))
+            first_query(keys.find_key_by_hash, hash_key(token))
             if KEY_SHAPE.fullmatch(token)
             else None
         )

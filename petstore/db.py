@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from flask import Flask, current_app, g
@@ -15,6 +16,7 @@ from psycopg_pool import ConnectionPool
 log = logging.getLogger(__name__)
 
 Connection = psycopg.Connection[DictRow]
+T = TypeVar("T")
 
 # pg_advisory_lock key held while migrating, so that two `petstore db upgrade` wait for each other.
 MIGRATION_LOCK = 0x7065_7473_746F_7265 >> 1  # "petstore", kept inside bigint
@@ -69,6 +71,24 @@ def get_conn() -> Connection:
         g.conn = get_pool().getconn()
     conn: Connection = g.conn
     return conn
+
+
+def first_query(query: Callable[..., T], *args: Any) -> T:
+    """Run the request's first statement, `query(conn, *args)`, on the request's connection.
+
+    A restart of PostgreSQL cuts the pool's idle connections without the pool noticing. If the
+    connection turns out to be cut, nothing was done on it yet, so test the pool's idle
+    connections and run the statement once more on a live one. This costs nothing while the
+    database is up, unlike testing every connection before handing it out.
+    """
+    conn = get_conn()
+    try:
+        return query(conn, *args)
+    except psycopg.OperationalError:
+        if not conn.broken:
+            raise
+        discard_broken_connections()
+        return query(get_conn(), *args)
 
 
 def _release_conn(exc: BaseException | None) -> None:

@@ -1,0 +1,384 @@
+"""Real server processes for tests: gunicorn and a throwaway PostgreSQL, on loopback, always cleaned up."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+
+ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last lines of a log file, or a note that there is none."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return f"(no log at {path})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class ServerFailed(RuntimeError):
+    """A server process exited early or did not answer in time."""
+
+
+class Gunicorn:
+    """`python -m gunicorn wsgi:app` from the repository root on a free loopback port, as a context manager."""
+
+    def __init__(
+        self,
+        environ: Mapping[str, str],
+        log_path: Path,
+        *,
+        workers: int = 2,
+        threads: int = 4,
+        start_timeout: float = 30.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        self.environ = dict(environ)
+        self.log_path = log_path
+        self.workers = workers
+        self.threads = threads
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.port = free_port()
+        self.url = f"http://{LOOPBACK}:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        """The gunicorn master's process id."""
+        assert self.process is not None, "gunicorn is not started"
+        return self.process.pid
+
+    def command(self) -> list[str]:
+        """The command line: the interpreter of the running venv, gthread workers, loopback only."""
+        return [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--bind",
+            f"{LOOPBACK}:{self.port}",
+            "--workers",
+            str(self.workers),
+            "--threads",
+            str(self.threads),
+            "--worker-class",
+            "gthread",
+            # SIGTERM waits this long for running requests; stop() waits a little more.
+            "--graceful-timeout",
+            str(max(1, int(self.stop_timeout) - 2)),
+            "--error-logfile",
+            "-",
+            # Several gunicorns run at once here; the default control socket path is shared.
+            "--no-control-socket",
+            "wsgi:app",
+        ]
+
+    def start(self) -> None:
+        """Start gunicorn and wait (bounded) until /healthz answers; raise with its log otherwise."""
+        environ = {**os.environ, **self.environ, "PYTHONUNBUFFERED": "1"}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            # A session of its own, so that the whole process group can be killed at the end.
+            self.process = subprocess.Popen(
+                self.command(),
+                cwd=ROOT,
+                env=environ,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_healthy(self) -> None:
+        """Poll /healthz until it answers 200, the process exits, or start_timeout passes."""
+        assert self.process is not None
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerFailed(
+                    f"gunicorn exited early with status {self.process.returncode}; "
+                    f"log:\n{log_tail(self.log_path)}"
+                )
+            if self.healthz() == 200:
+                return
+            time.sleep(0.1)
+        raise ServerFailed(
+            f"gunicorn did not answer /healthz within {self.start_timeout} s; "
+            f"log:\n{log_tail(self.log_path)}"
+        )
+
+    def healthz(self) -> int | None:
+        """The status of GET /healthz, or None when nothing answers."""
+        connection = http.client.HTTPConnection(LOOPBACK, self.port, timeout=2)
+        try:
+            connection.request("GET", "/healthz")
+            return connection.getresponse().status
+        except (OSError, http.client.HTTPException):
+            return None
+        finally:
+            connection.close()
+
+    def stop(self) -> None:
+        """SIGTERM the master, wait (bounded), then SIGKILL its process group if anything is left."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # Workers are in the master's process group: none may outlive the test.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=self.stop_timeout)
+        self.process = None
+
+    def log(self) -> str:
+        """The tail of gunicorn's log, for assertion messages."""
+        return log_tail(self.log_path)
+
+    def __enter__(self) -> Gunicorn:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class ThrowawayPostgres:
+    """A PostgreSQL cluster of the test's own (petstore.embedded) in `datadir`; stopped on exit."""
+
+    def __init__(self, datadir: Path) -> None:
+        self.datadir = datadir
+
+    def start(self) -> str:
+        """Start the cluster (created on first use) and return its server URL; idempotent."""
+        from petstore import embedded
+
+        server_url: str = embedded.ensure_running(self.datadir)
+        return server_url
+
+    def stop(self) -> None:
+        """Fast shutdown: every connection is cut; idempotent."""
+        from petstore import embedded
+
+        embedded.stop(self.datadir)
+
+    def url(self, dbname: str = "postgres") -> str:
+        """The libpq URL of database `dbname` on this cluster."""
+        from petstore import embedded
+
+        database_url: str = embedded.url(self.datadir, dbname)
+        return database_url
+
+    def __enter__(self) -> ThrowawayPostgres:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class RedisServer:
+    """A `redis-server` of the test's own on a free loopback port (no persistence), as a context manager.
+
+    stop() kills it like a crash; start() again brings up an empty one on the same port.
+    """
+
+    def __init__(
+        self, workdir: Path, *, start_timeout: float = 10.0, stop_timeout: float = 10.0
+    ) -> None:
+        self.workdir = workdir
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.port = free_port()
+        self.log_path = workdir / "redis.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def url(self, db: int = 0) -> str:
+        """The redis:// URL of database `db` on this server."""
+        return f"redis://{LOOPBACK}:{self.port}/{db}"
+
+    def command(self) -> list[str]:
+        """The command line: loopback only, no RDB or AOF files, in the foreground."""
+        return [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            LOOPBACK,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--dir",
+            str(self.workdir),
+        ]
+
+    def start(self) -> None:
+        """Start redis-server and wait (bounded) until it answers PING; raise with its log otherwise."""
+        assert self.process is None, "redis-server is running already"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                status = self.process.returncode
+                self.process = None
+                raise ServerFailed(
+                    f"redis-server exited early with status {status}; log:\n{self.log()}"
+                )
+            if self.ping():
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise ServerFailed(
+            f"redis-server did not answer PING within {self.start_timeout} s; log:\n{self.log()}"
+        )
+
+    def ping(self) -> bool:
+        """Whether the server answers PING with PONG right now."""
+        try:
+            with socket.create_connection((LOOPBACK, self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """SIGKILL the server (a crash: clients see their connections reset) and reap it; idempotent."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=self.stop_timeout)
+        self.process = None
+
+    def log(self) -> str:
+        """The tail of redis-server's log, for assertion messages."""
+        return log_tail(self.log_path)
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class SilentServer:
+    """A TCP server on a free loopback port that accepts connections and never answers, as a context manager."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.accepted: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def start(self) -> None:
+        """Listen and accept in a background thread; accepted connections stay open, unread."""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((LOOPBACK, self.port))
+        listener.listen(128)
+        # A timeout on accept() lets the thread notice stop() within a moment.
+        listener.settimeout(0.1)
+        self._listener = listener
+        self._thread = threading.Thread(target=self._accept, name="silent-server", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        """Accept until stopped, keeping every connection open so that clients wait for a reply."""
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                connection, _address = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted.append(connection)
+
+    def stop(self) -> None:
+        """Stop accepting and close every connection; idempotent."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for connection in self.accepted:
+            connection.close()
+        self.accepted.clear()
+
+    def __enter__(self) -> SilentServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
