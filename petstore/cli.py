@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 
 from petstore import auth, config, db
-from petstore.queries import bans, keys
+from petstore.queries import bans, idempotency, keys
 
 PLANS = ("free", "pro", "business", "enterprise")
 DEV_KEY_LABEL = "development key (make run)"
@@ -62,6 +62,14 @@ def db_upgrade() -> None:
     with database() as conn:
         applied = db.upgrade(conn)
     click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
+
+
+@db_group.command("prune")
+def db_prune() -> None:
+    """Delete idempotency records older than 24 hours (run it daily, e.g. from cron)."""
+    with database() as conn:
+        deleted = idempotency.delete_expired(conn)
+    click.echo(f"deleted {deleted} expired idempotency records")
 
 
 @main.group("keys")

@@ -14,6 +14,7 @@ from flask_limiter import Limiter, RequestLimit
 from flask_limiter.errors import RateLimitExceeded
 
 from petstore import db
+from petstore.config import ConfigError
 from petstore.errors import APIError, error_response
 from petstore.queries import bans
 
@@ -178,7 +179,9 @@ def refuse_shared_memory_storage(app: Flask) -> None:
         guard.bind(f"\0petstore-memory-limiter-{os.getppid()}")
     except OSError:
         guard.close()
-        raise SystemExit(
+        # Not SystemExit: gunicorn reboots a worker that exits with status 1, forever, while
+        # the first worker serves; an exception during boot makes the whole server stop.
+        raise ConfigError(
             "RATELIMIT_STORAGE_URI=memory:// counts in one process only, and this gunicorn runs "
             "more than one worker: every limit would be multiplied. Use --workers 1 (and "
             "--threads for concurrency) or a shared storage such as redis://."

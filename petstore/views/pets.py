@@ -11,8 +11,8 @@ from marshmallow import Schema, ValidationError
 from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
 from werkzeug.http import http_date
 
-from petstore import schemas
-from petstore.db import get_conn
+from petstore import idempotency, schemas
+from petstore.db import Connection, get_conn
 from petstore.errors import APIError
 from petstore.queries import pets
 
@@ -88,15 +88,23 @@ def list_pets() -> Response:
 
 @bp.post("/pets")
 def create_pet() -> Response:
-    """createPet: store a NewPet, answer 201 with the Pet and its Location."""
+    """createPet: store a NewPet, answer 201 with the Pet and its Location; Idempotency-Key aware."""
     new_pet = validate(schemas.new_pet, json_body())
-    row = pets.insert_pet(
-        get_conn(),
-        name=new_pet["name"],
-        category_id=new_pet["category_id"],
-        status=new_pet.get("status"),
-    )
-    return json_response(schemas.pet.dump(row), 201, headers={"Location": f"/v1/pets/{row['id']}"})
+    key = idempotency.requested_key()
+
+    def store(conn: Connection) -> Response:
+        row = pets.insert_pet(
+            conn,
+            name=new_pet["name"],
+            category_id=new_pet["category_id"],
+            status=new_pet.get("status"),
+        )
+        location = f"/v1/pets/{row['id']}"
+        return json_response(schemas.pet.dump(row), 201, headers={"Location": location})
+
+    if key is None:
+        return store(get_conn())
+    return idempotency.once(get_conn(), key, new_pet, store)
 
 
 @bp.get("/pets/<pet_id>")

@@ -1,0 +1,93 @@
+"""Idempotency-Key on POST: the first response for (API key, idempotency key) is replayed for 24 hours."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from flask import Response, current_app, g, request
+
+from petstore.db import Connection
+from petstore.errors import APIError
+from petstore.queries import idempotency
+
+HEADER = "Idempotency-Key"
+# Printable ASCII, 1 to 255 characters: what Stripe accepts (a UUID fits comfortably).
+KEY_SHAPE = re.compile(r"[\x20-\x7e]{1,255}")
+
+
+def requested_key() -> str | None:
+    """The request's Idempotency-Key, None when it has none; 400 when it is malformed."""
+    value = request.headers.get(HEADER)
+    if value is None:
+        return None
+    value = value.strip()
+    if not KEY_SHAPE.fullmatch(value):
+        raise APIError(400, f"{HEADER} must be 1 to 255 printable ASCII characters.")
+    return value
+
+
+def fingerprint(payload: Any) -> bytes:
+    """sha256 of the validated payload, independent of the body's spacing and key order."""
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).digest()
+
+
+def replay(stored: dict[str, Any], digest: bytes) -> Response:
+    """The recorded response again, or 422 when the key came with a different request."""
+    if bytes(stored["fingerprint"]) != digest:
+        raise APIError(
+            422,
+            f"This {HEADER} was already used with a different request body; "
+            "use a new key for a new request.",
+            "idempotency_key_reused",
+        )
+    response = current_app.response_class(
+        stored["body"], status=stored["status"], mimetype="application/json"
+    )
+    if stored["location"]:
+        response.headers["Location"] = stored["location"]
+    response.headers["Idempotent-Replayed"] = "true"
+    return response
+
+
+def once(
+    conn: Connection,
+    key: str,
+    payload: Any,
+    work: Callable[[Connection], Response],
+) -> Response:
+    """Run `work` for the first request with this key; replay its response to the others.
+
+    The work and the record of its response share one transaction. A request racing the first
+    one waits on the record's primary key, then rolls its own work back and replays.
+    """
+    key_id = g.caller["id"]
+    digest = fingerprint(payload)
+    stored = idempotency.find_response(conn, key_id=key_id, idempotency_key=key)
+    if stored is not None:
+        return replay(stored, digest)
+    response: Response | None = None
+    with conn.transaction():
+        response = work(conn)
+        claimed = idempotency.claim(
+            conn,
+            key_id=key_id,
+            idempotency_key=key,
+            fingerprint=digest,
+            status=response.status_code,
+            body=response.get_data(as_text=True),
+            location=response.headers.get("Location"),
+        )
+        if not claimed:
+            response = None
+            raise psycopg.Rollback()
+    if response is not None:
+        return response
+    stored = idempotency.find_response(conn, key_id=key_id, idempotency_key=key)
+    assert stored is not None, "a claim lost to a committed record"
+    return replay(stored, digest)
