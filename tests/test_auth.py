@@ -7,10 +7,10 @@ import string
 from collections.abc import Callable
 
 import pytest
-from conftest import count_pets
 from flask.testing import FlaskClient
 
 from checks import assert_error
+from conftest import count_pets
 from petstore import auth, db
 from petstore.queries import keys
 

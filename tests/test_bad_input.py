@@ -8,11 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import count_pets
 from flask import Flask
 from flask.testing import FlaskClient
 
 from checks import assert_error
+from conftest import count_pets
 from petstore import db
 from petstore.queries import pets
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import psycopg
 import pytest
 from click.testing import CliRunner, Result
-from databases import empty_database
 from flask.testing import FlaskClient
 
+from databases import empty_database
 from petstore import db
 from petstore.cli import main
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+
 from databases import empty_database
 
 ROOT = Path(__file__).resolve().parent.parent
