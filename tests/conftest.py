@@ -118,7 +118,7 @@ def auth_headers(api_key: str) -> dict[str, str]:
 
 @pytest.fixture
 def redis_url() -> str:
-    """The shared test Redis (PETSTORE_TEST_REDIS_URL), its database emptied; unreachable: fail on CI, else skip."""
+    """The test Redis (PETSTORE_TEST_REDIS_URL), its database emptied; unreachable: fail on CI, else skip."""
     url = os.environ.get("PETSTORE_TEST_REDIS_URL", TEST_REDIS_URL)
     client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
     try:
