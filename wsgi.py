@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import logging
+import os
 
-from petstore import create_app
+from petstore import create_app, logs
 
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+logs.configure(os.environ.get("PETSTORE_LOG_LEVEL", "INFO"))
 
 app = create_app()

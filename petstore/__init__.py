@@ -8,8 +8,8 @@ from typing import Any
 from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from petstore import auth, config, db, errors, limits
-from petstore.views import health, orders, pets
+from petstore import auth, config, db, errors, limits, logs
+from petstore.views import docs, health, orders, pets
 
 
 def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
@@ -30,6 +30,7 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
             x_host=app.config["PROXY_COUNT"],
         )
 
+    logs.init_app(app)
     errors.init_app(app)
     db.init_app(app)
     # The order of the request hooks matters: who is calling (never refuses), then their
@@ -41,4 +42,5 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
     app.register_blueprint(health.bp)
     app.register_blueprint(pets.bp, url_prefix="/v1")
     app.register_blueprint(orders.bp, url_prefix="/v1")
+    app.register_blueprint(docs.bp, url_prefix="/v1")
     return app

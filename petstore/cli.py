@@ -20,6 +20,7 @@ from petstore.queries import bans, idempotency, keys
 
 PLANS = ("free", "pro", "business", "enterprise")
 DEV_KEY_LABEL = "development key (make run)"
+GUNICORN_CONFIG = Path("deploy/gunicorn.conf.py")
 
 
 def load_settings() -> dict[str, Any]:
@@ -212,25 +213,17 @@ def serve(bind: str, var_dir: Path) -> None:
 
 
 def run_gunicorn(bind: str) -> int:
-    """Run gunicorn in the foreground, pass SIGINT/SIGTERM on, return its exit status."""
-    command = [
-        sys.executable,
-        "-m",
-        "gunicorn",
-        "--bind",
-        bind,
-        "--worker-class",
-        "gthread",
-        "--workers",
-        "1",
-        "--threads",
-        os.environ.get("PETSTORE_DB_POOL_SIZE", "4"),
-        "--access-logfile",
-        "-",
-        # One machine may run several instances; gunicorn's shared default control socket would clash.
-        "--no-control-socket",
-        "wsgi:app",
-    ]
+    """Run gunicorn in the foreground, pass SIGINT/SIGTERM on, return its exit status.
+
+    From a checkout it uses deploy/gunicorn.conf.py, the production settings; elsewhere
+    gunicorn's defaults.
+    """
+    command = [sys.executable, "-m", "gunicorn", "--bind", bind]
+    if GUNICORN_CONFIG.exists():
+        command += ["--config", str(GUNICORN_CONFIG)]
+    else:
+        command += ["--no-control-socket"]
+    command.append("wsgi:app")
     child = subprocess.Popen(command)
 
     def forward(signum: int, frame: object) -> None:
@@ -239,3 +232,15 @@ def run_gunicorn(bind: str) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
     return child.wait()
+
+
+@main.command("openapi")
+def openapi_document() -> None:
+    """Print the OpenAPI document that GET /v1/openapi.json serves (JSON; no database needed)."""
+    from petstore import openapi
+
+    try:
+        settings = openapi.configure(config.from_environ())
+    except config.ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(openapi.to_json(openapi.build_document(settings)), nl=False)

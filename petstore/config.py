@@ -74,6 +74,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_DB_STATEMENT_TIMEOUT_MS": ("DB_STATEMENT_TIMEOUT_MS", _int(1), 5000),
     "PETSTORE_DB_RECONNECT_TIMEOUT": ("DB_RECONNECT_TIMEOUT", _float(0.1), 5.0),
     "PETSTORE_RETRY_AFTER": ("RETRY_AFTER", _int(1), 2),
+    "PETSTORE_READY_TIMEOUT": ("READY_TIMEOUT", _float(0.05), 1.0),
     "PETSTORE_MAX_BODY_BYTES": ("MAX_CONTENT_LENGTH", _int(64), 16384),
     "PETSTORE_DEPRECATED_AT": ("DEPRECATED_AT", _instant, calendar.timegm((2026, 11, 26, 0, 0, 0))),
     "PETSTORE_SUNSET": ("SUNSET", _instant, calendar.timegm((2030, 12, 5, 0, 0, 0))),
