@@ -240,7 +240,7 @@ def openapi_document() -> None:
     from petstore import openapi
 
     try:
-        settings = openapi.configure(config.from_environ())
+        settings = config.from_environ()
     except config.ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(openapi.to_json(openapi.build_document(settings)), nl=False)

@@ -38,10 +38,10 @@ def fingerprint(payload: Any) -> bytes:
 
 
 def replay(stored: dict[str, Any], digest: bytes) -> Response:
-    """The recorded response again, or 422 when the key came with a different request."""
+    """The recorded response again, or 409 Conflict when the key came with a different request."""
     if bytes(stored["fingerprint"]) != digest:
         raise APIError(
-            422,
+            409,
             f"This {HEADER} was already used with a different request body; "
             "use a new key for a new request.",
             "idempotency_key_reused",

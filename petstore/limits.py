@@ -13,7 +13,7 @@ from flask import Flask, Response, current_app, g, request
 from flask_limiter import Limiter, RequestLimit
 from flask_limiter.errors import RateLimitExceeded
 
-from petstore import db
+from petstore import db, storages
 from petstore.config import ConfigError
 from petstore.errors import APIError, error_response
 from petstore.queries import bans
@@ -197,7 +197,7 @@ def init_app(app: Flask) -> None:
         rate_limit_key,
         application_limits=[caller_limits],
         strategy=config["RATELIMIT_STRATEGY"],
-        storage_uri=config["RATELIMIT_STORAGE_URI"],
+        storage_uri=storages.storage_uri(config["RATELIMIT_STORAGE_URI"]),
         storage_options=storage_options(config),
         # Strategy in every storage key: switching strategy never reads the other's counters.
         key_prefix=config["RATELIMIT_STRATEGY"],
@@ -209,6 +209,8 @@ def init_app(app: Flask) -> None:
     limiter.request_filter(exempt)
     limiter.init_app(app)
     app.extensions["petstore.limiter"] = limiter
+    if limiter.enabled and isinstance(limiter.storage, storages.CountingRedisStorage):
+        app.teardown_request(limiter.storage.forget)
     app.before_request(refuse_banned)
     app.after_request(set_headers)
     app.register_error_handler(RateLimitExceeded, handle_rate_limited)

@@ -11,6 +11,9 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 PET_STATUSES = ("available", "pending", "sold")
 DIGITS = re.compile(r"[0-9]{1,19}")
+# A JSON Schema (ECMA-262) pattern for text PostgreSQL can store: no NUL character.
+NO_NUL_PATTERN = "^[^\\u0000]*$"
+STATUS_DESCRIPTION = "Availability: one of `available`, `pending`, `sold`."
 
 
 class QueryInteger(fields.Integer):
@@ -28,14 +31,31 @@ class NewPetSchema(Schema):
     class Meta:
         unknown = RAISE
 
-    name = fields.String(required=True, validate=validate.Length(min=1))
+    name = fields.String(
+        required=True,
+        validate=validate.Length(min=1),
+        metadata={
+            "description": "The animal's name: not empty, no NUL character.",
+            # What storable_text checks, for the API description (JSON Schema has no NUL check).
+            "pattern": NO_NUL_PATTERN,
+            "example": "Rex",
+        },
+    )
     category_id = fields.Integer(
         data_key="categoryId",
         required=True,
         strict=True,
         validate=validate.Range(min=INT64_MIN, max=INT64_MAX),
+        metadata={
+            "format": "int64",
+            "description": "Identifier of the category the animal belongs to.",
+            "example": 1,
+        },
     )
-    status = fields.String(validate=validate.OneOf(PET_STATUSES))
+    status = fields.String(
+        validate=validate.OneOf(PET_STATUSES),
+        metadata={"description": STATUS_DESCRIPTION, "example": "available"},
+    )
 
     @validates("name")
     def storable_text(self, value: str, **kwargs: Any) -> None:
@@ -52,10 +72,34 @@ class NewPetSchema(Schema):
 class PetSchema(Schema):
     """A Pet as the service returns it; a status that was never stated is left out."""
 
-    id = fields.Integer(required=True)
-    name = fields.String(required=True)
-    category_id = fields.Integer(data_key="categoryId", required=True)
-    status = fields.String()
+    id = fields.Integer(
+        required=True,
+        metadata={
+            "format": "int64",
+            "description": "Unique identifier, assigned by the service on creation.",
+            "example": 1,
+        },
+    )
+    name = fields.String(
+        required=True, metadata={"description": "The animal's name.", "example": "Rex"}
+    )
+    category_id = fields.Integer(
+        data_key="categoryId",
+        required=True,
+        metadata={
+            "format": "int64",
+            "description": "Identifier of the category the animal belongs to.",
+            "example": 1,
+        },
+    )
+    # Only what NewPetSchema let in is ever stored (and the database checks it again).
+    status = fields.String(
+        metadata={
+            "enum": list(PET_STATUSES),
+            "description": STATUS_DESCRIPTION + " Left out when it was never stated.",
+            "example": "available",
+        }
+    )
 
     @post_dump
     def leave_out_unstated_status(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
@@ -70,21 +114,54 @@ class ListPetsQuery(Schema):
     class Meta:
         unknown = RAISE
 
-    limit = QueryInteger(load_default=20, validate=validate.Range(min=1, max=100))
-    status = fields.String(validate=validate.OneOf(PET_STATUSES))
+    limit = QueryInteger(
+        load_default=20,
+        validate=validate.Range(min=1, max=100),
+        metadata={"description": "Largest number of pets on the page."},
+    )
+    status = fields.String(
+        validate=validate.OneOf(PET_STATUSES),
+        metadata={"description": "Only pets with this status."},
+    )
     after = QueryInteger(
         load_default=0,
         validate=validate.Range(min=0, max=INT64_MAX),
-        metadata={"description": "Cursor: the id of the last pet of the previous page."},
+        metadata={
+            "format": "int64",
+            "description": (
+                "Cursor: the id of the last pet of the previous page (pets with a greater id "
+                'follow). The `Link: rel="next"` header of a full page carries it.'
+            ),
+        },
     )
 
 
 class ErrorSchema(Schema):
     """The body of every error response."""
 
-    code = fields.String(required=True)
-    message = fields.String(required=True)
-    status = fields.Integer(required=True)
+    code = fields.String(
+        required=True,
+        metadata={"description": "Machine-readable error code.", "example": "invalid_request"},
+    )
+    message = fields.String(
+        required=True,
+        metadata={
+            "description": "Human-readable description.",
+            "example": "Invalid value for: name.",
+        },
+    )
+    status = fields.Integer(
+        required=True, metadata={"description": "The HTTP status code.", "example": 400}
+    )
+    # Only a validation 400 carries it (petstore.views.pets.validate); never any other status.
+    errors = fields.Dict(
+        keys=fields.String(),
+        values=fields.List(fields.String()),
+        metadata={
+            "description": "Only on a 400 for invalid fields: each bad field with its complaints.",
+            "example": {"name": ["Shorter than minimum length 1."]},
+        },
+    )
 
 
 new_pet = NewPetSchema()

@@ -49,7 +49,7 @@ def test_the_same_key_with_another_body_is_refused(
 ) -> None:
     assert post(client, api_key, REX, "order-2").status_code == 201
     body = assert_error(
-        post(client, api_key, {**REX, "name": "Max"}, "order-2"), 422, "idempotency_key_reused"
+        post(client, api_key, {**REX, "name": "Max"}, "order-2"), 409, "idempotency_key_reused"
     )
     assert "Idempotency-Key" in body["message"]
     assert count_pets(conn) == 1

@@ -1,4 +1,9 @@
-"""SQL over the pets table: one function per statement, connection first, rows as dicts."""
+"""SQL over the pets table: one function per statement, connection first, rows as dicts.
+
+PostgreSQL writes each Pet's JSON itself (json_build_object, nulls stripped so an unstated
+status is left out), in the shape of schemas.PetSchema: the service sends those bytes as they
+come, with no Python object per pet on the way.
+"""
 
 from __future__ import annotations
 
@@ -7,54 +12,76 @@ from typing import Any
 from petstore.db import Connection
 
 
-def list_pets(conn: Connection, *, after: int, limit: int) -> list[dict[str, Any]]:
-    """Pets with id > after, by id ascending (keyset page over the primary key)."""
-    return conn.execute(
+def list_pets(conn: Connection, *, after: int, limit: int) -> dict[str, Any]:
+    """One keyset page over the primary key: {"pets": JSON array text, "count", "last_id"}."""
+    row = conn.execute(
         """
-        select id, name, category_id, status
-          from pets
-         where id > %(after)s
-         order by id
-         limit %(limit)s
+        select json_strip_nulls(coalesce(json_agg(json_build_object(
+                   'id', id, 'name', name, 'categoryId', category_id, 'status', status
+               ) order by id), '[]'))::text as pets,
+               count(*) as count,
+               max(id) as last_id
+          from (select id, name, category_id, status
+                  from pets
+                 where id > %(after)s
+                 order by id
+                 limit %(limit)s) page
         """,
         {"after": after, "limit": limit},
-    ).fetchall()
+    ).fetchone()
+    assert row is not None
+    return row
 
 
-def list_pets_by_status(
-    conn: Connection, *, status: str, after: int, limit: int
-) -> list[dict[str, Any]]:
-    """Pets of one status with id > after, by id ascending (keyset page over (status, id))."""
-    return conn.execute(
+def list_pets_by_status(conn: Connection, *, status: str, after: int, limit: int) -> dict[str, Any]:
+    """One keyset page of one status over (status, id): {"pets", "count", "last_id"}."""
+    row = conn.execute(
         """
-        select id, name, category_id, status
-          from pets
-         where status = %(status)s
-           and id > %(after)s
-         order by id
-         limit %(limit)s
+        select json_strip_nulls(coalesce(json_agg(json_build_object(
+                   'id', id, 'name', name, 'categoryId', category_id, 'status', status
+               ) order by id), '[]'))::text as pets,
+               count(*) as count,
+               max(id) as last_id
+          from (select id, name, category_id, status
+                  from pets
+                 where status = %(status)s
+                   and id > %(after)s
+                 order by id
+                 limit %(limit)s) page
         """,
         {"status": status, "after": after, "limit": limit},
-    ).fetchall()
+    ).fetchone()
+    assert row is not None
+    return row
 
 
-def find_pet(conn: Connection, pet_id: int) -> dict[str, Any] | None:
-    """The pet with this id, or None."""
-    return conn.execute(
-        "select id, name, category_id, status from pets where id = %(pet_id)s",
+def find_pet(conn: Connection, pet_id: int) -> str | None:
+    """The JSON of the pet with this id, or None."""
+    row = conn.execute(
+        """
+        select json_strip_nulls(json_build_object(
+                   'id', id, 'name', name, 'categoryId', category_id, 'status', status
+               ))::text as pet
+          from pets
+         where id = %(pet_id)s
+        """,
         {"pet_id": pet_id},
     ).fetchone()
+    return None if row is None else str(row["pet"])
 
 
 def insert_pet(
     conn: Connection, *, name: str, category_id: int, status: str | None
 ) -> dict[str, Any]:
-    """Store a new pet and return it with its id."""
+    """Store a new pet: {"id", "pet": its JSON}."""
     row = conn.execute(
         """
         insert into pets (name, category_id, status)
         values (%(name)s, %(category_id)s, %(status)s)
-        returning id, name, category_id, status
+        returning id,
+                  json_strip_nulls(json_build_object(
+                      'id', id, 'name', name, 'categoryId', category_id, 'status', status
+                  ))::text as pet
         """,
         {"name": name, "category_id": category_id, "status": status},
     ).fetchone()

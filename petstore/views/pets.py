@@ -21,9 +21,10 @@ bp = Blueprint("pets", __name__)
 PET_ID = schemas.DIGITS
 
 
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def json_response(body: str, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A response of JSON text written by PostgreSQL."""
     return current_app.response_class(
-        json.dumps(body), status=status, headers=headers, mimetype="application/json"
+        body, status=status, headers=headers, mimetype="application/json"
     )
 
 
@@ -72,18 +73,18 @@ def list_pets() -> Response:
     query = validate(schemas.list_pets_query, request.args.to_dict())
     status = query.get("status")
     if status is None:
-        rows = pets.list_pets(get_conn(), after=query["after"], limit=query["limit"])
+        page = pets.list_pets(get_conn(), after=query["after"], limit=query["limit"])
     else:
-        rows = pets.list_pets_by_status(
+        page = pets.list_pets_by_status(
             get_conn(), status=status, after=query["after"], limit=query["limit"]
         )
     headers = {}
-    if len(rows) == query["limit"]:
-        params = {"limit": query["limit"], "after": rows[-1]["id"]}
+    if page["count"] == query["limit"]:
+        params = {"limit": query["limit"], "after": page["last_id"]}
         if status is not None:
             params["status"] = status
         headers["Link"] = f'</v1/pets?{urlencode(params)}>; rel="next"'
-    return json_response(schemas.pet.dump(rows, many=True), headers=headers)
+    return json_response(page["pets"], headers=headers)
 
 
 @bp.post("/pets")
@@ -99,8 +100,7 @@ def create_pet() -> Response:
             category_id=new_pet["category_id"],
             status=new_pet.get("status"),
         )
-        location = f"/v1/pets/{row['id']}"
-        return json_response(schemas.pet.dump(row), 201, headers={"Location": location})
+        return json_response(row["pet"], 201, headers={"Location": f"/v1/pets/{row['id']}"})
 
     if key is None:
         return store(get_conn())
@@ -125,7 +125,7 @@ def get_pet(pet_id: str) -> Response:
     # Not an int64: no such pet (404), the same answer as for an id that does not exist.
     if not PET_ID.fullmatch(pet_id) or int(pet_id) > schemas.INT64_MAX:
         raise APIError(404, "No pet with this id.", headers=headers)
-    row = pets.find_pet(get_conn(), int(pet_id))
-    if row is None:
+    pet = pets.find_pet(get_conn(), int(pet_id))
+    if pet is None:
         raise APIError(404, "No pet with this id.", headers=headers)
-    return json_response(schemas.pet.dump(row), headers=headers)
+    return json_response(pet, headers=headers)

@@ -1,0 +1,430 @@
+"""The OpenAPI document of the API, built by apispec from the marshmallow schemas that validate requests."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from apispec import APISpec
+from apispec.ext.marshmallow import MarshmallowPlugin
+from werkzeug.http import http_date
+
+from petstore import limits, schemas
+
+# 3.0, not 3.1: in 3.1 (JSON Schema 2020-12) `1.0` is an integer, but this service refuses it
+# for categoryId (a JSON integer literal is required); 3.0's Schema Object says the same as we do.
+OPENAPI_VERSION = "3.0.3"
+API_VERSION = "1.0.0"
+SECURITY_SCHEME = "bearerAuth"
+JSON = "application/json"
+
+# name in the environment -> (Flask config key, default). Both URLs end with the version segment.
+# The Error codes each status answers with (petstore.errors, petstore.limits, the views).
+ERROR_CODES: dict[int, tuple[str, ...]] = {
+    400: ("invalid_request",),
+    401: ("unauthorized",),
+    404: ("not_found",),
+    409: ("idempotency_key_reused",),
+    410: ("gone",),
+    413: ("payload_too_large",),
+    415: ("unsupported_media_type",),
+    429: ("rate_limited", "api_key_banned"),
+    500: ("internal_error",),
+    501: ("not_implemented",),
+    503: ("service_unavailable",),
+}
+
+RATE_LIMIT_HEADERS = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
+
+DESCRIPTION = """\
+The Animal Store: list, add and fetch the animals ("pets") of a store's catalogue.
+
+**Authentication.** Every operation needs an API key sent as a bearer token:
+`Authorization: Bearer <key>`. A missing, malformed, unknown or revoked key gets 401.
+
+**Rate limits.** Each key spends one budget across the whole API, per minute and per day:
+{plans}, enterprise as agreed. Requests without a valid key are counted per client IP. Every
+response carries
+`X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` (unix seconds) of the
+limit in force: the breached one on a 429, else the one with the fewest requests left. A 429
+(`rate_limited`) says in `Retry-After` when to try again; wait that long and back off
+exponentially. Each 429 is a strike: a key that keeps calling is banned for a while and every
+request then gets 429 `api_key_banned`, with `Retry-After` until the ban ends.
+
+**Errors.** Every error of every status is `application/json` with the Error shape
+(`code`, `message`, `status`); a validation 400 adds `errors`, naming each bad field.
+Besides the statuses listed for each operation: an unknown path answers 404 `not_found`, and a
+method an operation does not list answers 405 `method_not_allowed` with an `Allow` header.
+"""
+
+
+def description() -> str:
+    """info.description, with the plans' numbers from petstore.limits."""
+    plans = ", ".join(
+        f"{plan} {per_minute:,}/minute and {per_day:,}/day"
+        for plan, (per_minute, per_day) in limits.PLAN_LIMITS.items()
+    )
+    return DESCRIPTION.format(plans=plans)
+
+
+def error_response(status: int, description: str, headers: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A response object with the Error body, the rate-limit headers and `headers` (component ids)."""
+    codes = ", ".join(f"`{code}`" for code in ERROR_CODES[status])
+    return {
+        "description": f"{description} Code: {codes}.",
+        "headers": {**rate_limit_headers(), **{name: name for name in headers}},
+        "content": {JSON: {"schema": "Error"}},
+    }
+
+
+def rate_limit_headers() -> dict[str, str]:
+    """The X-RateLimit-* headers every response carries, as references to their components."""
+    return {name: name for name in RATE_LIMIT_HEADERS}
+
+
+def deprecation_headers() -> dict[str, str]:
+    """getPet's Deprecation, Sunset and successor Link headers (the response header name -> component id)."""
+    return {"Deprecation": "Deprecation", "Sunset": "Sunset", "Link": "SuccessorLink"}
+
+
+def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
+    """Schemas, headers, shared responses and the security scheme."""
+    spec.components.schema("NewPet", schema=schemas.NewPetSchema)
+    spec.components.schema("Pet", schema=schemas.PetSchema)
+    spec.components.schema("Error", schema=schemas.ErrorSchema)
+    spec.components.security_scheme(
+        SECURITY_SCHEME,
+        {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "The API key, as `Authorization: Bearer <key>`.",
+        },
+    )
+    integer_header = {"type": "integer", "minimum": 0}
+    spec.components.header(
+        "X-RateLimit-Limit",
+        {
+            "description": "The number of requests of the limit in force (per minute or per day).",
+            "required": True,
+            "schema": integer_header,
+        },
+    )
+    spec.components.header(
+        "X-RateLimit-Remaining",
+        {
+            "description": "Requests left in the current window of that limit.",
+            "required": True,
+            "schema": integer_header,
+        },
+    )
+    spec.components.header(
+        "X-RateLimit-Reset",
+        {
+            "description": "When the window of that limit ends: unix time, in seconds.",
+            "required": True,
+            "schema": integer_header,
+        },
+    )
+    spec.components.header(
+        "Retry-After",
+        {
+            "description": "Seconds to wait before trying again.",
+            "required": True,
+            "schema": {"type": "integer", "minimum": 1},
+        },
+    )
+    spec.components.header(
+        "WWW-Authenticate",
+        {
+            "description": 'The challenge: `Bearer realm="petstore"`, plus `error="invalid_token"` '
+            "when a token was sent (RFC 6750).",
+            "required": True,
+            "schema": {"type": "string"},
+        },
+    )
+    spec.components.header(
+        "Location",
+        {
+            "description": "The path of the new pet.",
+            "required": True,
+            "schema": {"type": "string", "example": "/v1/pets/1"},
+        },
+    )
+    spec.components.header(
+        "Idempotent-Replayed",
+        {
+            "description": "`true` when this is the stored first response to an earlier request "
+            "with the same `Idempotency-Key`, replayed.",
+            "required": False,
+            "schema": {"type": "string", "enum": ["true"]},
+        },
+    )
+    spec.components.header(
+        "NextPage",
+        {
+            "description": 'The next page, on full pages only: `<url>; rel="next"` (RFC 8288); its '
+            "`after` parameter is the id of the last pet of this page.",
+            "required": False,
+            "schema": {"type": "string", "example": '</v1/pets?limit=20&after=20>; rel="next"'},
+        },
+    )
+    spec.components.header(
+        "Deprecation",
+        {
+            "description": "When this operation became deprecated (RFC 9745): `@` and unix seconds.",
+            "required": True,
+            "schema": {
+                "type": "string",
+                "pattern": "^@-?[0-9]+$",
+                "example": f"@{config['DEPRECATED_AT']}",
+            },
+        },
+    )
+    spec.components.header(
+        "Sunset",
+        {
+            "description": "When this operation goes away (RFC 8594), as an HTTP date.",
+            "required": True,
+            "schema": {"type": "string", "example": http_date(config["SUNSET"])},
+        },
+    )
+    spec.components.header(
+        "SuccessorLink",
+        {
+            "description": "The replacement: `GET /v1/pets` (with the `status` filter).",
+            "required": True,
+            "schema": {"type": "string", "example": '</v1/pets>; rel="successor-version"'},
+        },
+    )
+    spec.components.response(
+        "BadRequest",
+        error_response(
+            400, "The request is invalid; `errors` names each bad field, when fields are to blame."
+        ),
+    )
+    spec.components.response(
+        "Unauthorized",
+        error_response(
+            401, "The API key is missing, malformed, unknown or revoked.", ("WWW-Authenticate",)
+        ),
+    )
+    spec.components.response(
+        "TooManyRequests",
+        error_response(
+            429,
+            "The rate limit is spent (`rate_limited`), or the key is banned for calling on "
+            "after 429s (`api_key_banned`). `Retry-After` says when to try again.",
+            ("Retry-After",),
+        ),
+    )
+    spec.components.response(
+        "InternalError", error_response(500, "The service failed; no detail is given.")
+    )
+    spec.components.response(
+        "ServiceUnavailable",
+        error_response(
+            503,
+            "The database is unavailable or too slow; retry after `Retry-After`.",
+            ("Retry-After",),
+        ),
+    )
+
+
+def common_responses() -> dict[str, str]:
+    """Responses every operation may give, whoever calls and whatever is asked."""
+    return {
+        "401": "Unauthorized",
+        "429": "TooManyRequests",
+        "500": "InternalError",
+        "503": "ServiceUnavailable",
+    }
+
+
+def add_paths(spec: APISpec, config: Mapping[str, Any]) -> None:
+    """The four operations of the specification, with every status each one really answers."""
+    sunset = http_date(config["SUNSET"])
+    sunset_day = time.strftime("%Y-%m-%d", time.gmtime(config["SUNSET"]))
+    spec.path(
+        "/pets",
+        operations={
+            "get": {
+                "operationId": "listPets",
+                "tags": ["pets"],
+                "summary": "List pets",
+                "description": "Pets by id ascending, at most `limit` of them, optionally only "
+                'those of one `status`. A full page carries `Link: <...>; rel="next"` to the '
+                "next one (a keyset cursor, `after`). Unknown query parameters are refused (400).",
+                "parameters": [{"in": "query", "schema": schemas.ListPetsQuery}],
+                "responses": {
+                    "200": {
+                        "description": "A page of pets.",
+                        "headers": {**rate_limit_headers(), "Link": "NextPage"},
+                        "content": {JSON: {"schema": {"type": "array", "items": "Pet"}}},
+                    },
+                    "400": "BadRequest",
+                    **common_responses(),
+                },
+            },
+            "post": {
+                "operationId": "createPet",
+                "tags": ["pets"],
+                "summary": "Add a pet",
+                "description": "Stores a NewPet and answers the Pet with its new `id`. A `status` "
+                "left out stays unstated (it is not defaulted).",
+                "parameters": [idempotency_key_parameter()],
+                "requestBody": {
+                    "required": True,
+                    "description": "The new pet; `id` and any other unknown field are refused.",
+                    "content": {JSON: {"schema": "NewPet"}},
+                },
+                "responses": {
+                    "201": {
+                        "description": "Created; `Location` is the new pet's path. A repeat with "
+                        "the same `Idempotency-Key` replays this first response.",
+                        "headers": {
+                            **rate_limit_headers(),
+                            "Location": "Location",
+                            "Idempotent-Replayed": "Idempotent-Replayed",
+                        },
+                        "content": {JSON: {"schema": "Pet"}},
+                        "links": {
+                            "GetPetById": {
+                                "operationId": "getPet",
+                                "parameters": {"petId": "$response.body#/id"},
+                                "description": "The new pet, by its `id`.",
+                            }
+                        },
+                    },
+                    "400": "BadRequest",
+                    "409": error_response(
+                        409, "The `Idempotency-Key` was used before with a different body."
+                    ),
+                    "413": error_response(
+                        413,
+                        f"The body is longer than {config['MAX_CONTENT_LENGTH']} bytes.",
+                    ),
+                    "415": error_response(415, "The body is not `application/json`."),
+                    **common_responses(),
+                },
+            },
+        },
+    )
+    spec.path(
+        "/pets/{petId}",
+        operations={
+            "get": {
+                "operationId": "getPet",
+                "tags": ["pets"],
+                "summary": "Get a pet (deprecated)",
+                "description": f"Deprecated: removed at its sunset, {sunset}; from then on it "
+                "answers 410. Use `GET /pets` with the `status` filter instead. Every answer "
+                "of the operation itself carries `Deprecation`, `Sunset` and a `Link` to it.",
+                "deprecated": True,
+                "x-sunset": sunset_day,
+                "parameters": [
+                    {
+                        "name": "petId",
+                        "in": "path",
+                        "required": True,
+                        "description": "Identifier of the pet. One that is not an int64 is a pet "
+                        "that does not exist (404).",
+                        "schema": {"type": "integer", "format": "int64"},
+                    }
+                ],
+                "responses": {
+                    "200": {
+                        "description": "The pet.",
+                        "headers": {**rate_limit_headers(), **deprecation_headers()},
+                        "content": {JSON: {"schema": "Pet"}},
+                    },
+                    "404": deprecated_error(404, "No pet has this id."),
+                    "410": deprecated_error(
+                        410, f"The operation was removed at its sunset ({sunset})."
+                    ),
+                    **common_responses(),
+                },
+            }
+        },
+    )
+    spec.path(
+        "/store/orders",
+        operations={
+            "get": {
+                "operationId": "listOrders",
+                "tags": ["store"],
+                "summary": "List store orders (not implemented)",
+                "description": "The specification names this operation but shows none of its "
+                "parameters or payloads, nor the fields of an order. Rather than invent them, "
+                "the service answers 501 to every authorized call.",
+                "responses": {
+                    "501": error_response(
+                        501, "Store orders are not specified, so they are not implemented."
+                    ),
+                    **common_responses(),
+                },
+            }
+        },
+    )
+
+
+def deprecated_error(status: int, description: str) -> dict[str, Any]:
+    """An Error response of getPet itself, with its deprecation headers."""
+    response = error_response(status, description)
+    response["headers"].update(deprecation_headers())
+    return response
+
+
+def idempotency_key_parameter() -> dict[str, Any]:
+    """The optional Idempotency-Key header of createPet (Stripe's semantics)."""
+    return {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": False,
+        "description": "Makes a retried POST safe: the first response for a key (and API key) is "
+        "stored for 24 hours and replayed, with `Idempotent-Replayed: true`, to every repeat with "
+        "the same body, instead of creating a second pet. A repeat sent while the first request "
+        "is still running waits for it and gets the replay. The same key with a different body "
+        "answers 409 `idempotency_key_reused`. 1 to 255 printable ASCII characters (a UUID "
+        "fits); a malformed key answers 400.",
+        "schema": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 255,
+            "pattern": "^[\\x21-\\x7e]([\\x20-\\x7e]*[\\x21-\\x7e])?$",
+            "example": "5f0c8a52-4a3b-4d39-9d2b-1c1f0e6b7a10",
+        },
+    }
+
+
+def build_document(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The OpenAPI document for an app with this configuration (servers from PUBLIC_BASE_URL, STAGING_BASE_URL)."""
+    spec = APISpec(
+        title="Animal Store",
+        version=API_VERSION,
+        openapi_version=OPENAPI_VERSION,
+        plugins=[MarshmallowPlugin()],
+        info={"description": description()},
+        servers=[
+            {"url": config["PUBLIC_BASE_URL"], "description": "Production"},
+            {"url": config["STAGING_BASE_URL"], "description": "Staging"},
+        ],
+        security=[{SECURITY_SCHEME: []}],
+        tags=[
+            {"name": "pets", "description": "The animals of the catalogue."},
+            {"name": "store", "description": "Store orders (named by the specification only)."},
+        ],
+    )
+    add_components(spec, config)
+    add_paths(spec, config)
+    document = spec.to_dict()
+    # The usual reading order: what it is, where, then what it offers.
+    document["info"] = {key: document["info"][key] for key in ("title", "version", "description")}
+    order = ("openapi", "info", "servers", "security", "tags", "paths", "components")
+    return {key: document[key] for key in order}
+
+
+def to_json(document: Mapping[str, Any]) -> str:
+    """The document as served and printed: indented JSON, keys in the document's own stable order."""
+    return json.dumps(document, indent=2, ensure_ascii=False) + "\n"

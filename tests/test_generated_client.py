@@ -1,0 +1,130 @@
+"""A real consumer: a Python client generated (openapi-python-client) from the served /v1/openapi.json."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import requests
+
+from petstore import db
+from servers import Gunicorn
+
+GENERATOR = Path(sys.executable).parent / "openapi-python-client"
+PACKAGE = "animal_store_client"
+# No post hooks: the generator would run ruff over the code, which a consumer need not have.
+GENERATOR_CONFIG = f"""\
+project_name_override: animal-store-client
+package_name_override: {PACKAGE}
+post_hooks: []
+"""
+
+
+@pytest.fixture
+def server(database_url: str, conn: db.Connection, tmp_path: Path) -> Iterator[Gunicorn]:
+    """The app under gunicorn (one worker, in-memory limiter) on a free loopback port, tables emptied."""
+    environ = {"DATABASE_URL": database_url, "RATELIMIT_STORAGE_URI": "memory://"}
+    with Gunicorn(environ, tmp_path / "gunicorn.log", workers=1, threads=4) as running:
+        yield running
+
+
+@pytest.fixture
+def client_package(server: Gunicorn, tmp_path: Path) -> Iterator[ModuleType]:
+    """Generate the client from what the server serves, into tmp_path, and import it."""
+    response = requests.get(f"{server.url}/v1/openapi.json", timeout=10)
+    assert response.status_code == 200, response.text
+    document = tmp_path / "openapi.json"
+    document.write_bytes(response.content)
+    config = tmp_path / "generator.yaml"
+    config.write_text(GENERATOR_CONFIG, encoding="utf-8")
+    generated = subprocess.run(
+        [
+            str(GENERATOR),
+            "generate",
+            "--path",
+            str(document),
+            "--config",
+            str(config),
+            "--meta",
+            "none",
+            "--output-path",
+            str(tmp_path / "generated" / PACKAGE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert generated.returncode == 0, generated.stdout + generated.stderr
+    # The generator reports what it could not translate as warnings; there must be none.
+    assert "Warning" not in generated.stdout + generated.stderr, generated.stdout + generated.stderr
+    sys.path.insert(0, str(tmp_path / "generated"))
+    try:
+        yield importlib.import_module(PACKAGE)
+    finally:
+        sys.path.remove(str(tmp_path / "generated"))
+        for name in [name for name in sys.modules if name.split(".")[0] == PACKAGE]:
+            del sys.modules[name]
+
+
+def test_create_list_and_fetch_with_the_generated_client(
+    client_package: ModuleType, server: Gunicorn, issue_key: Callable[..., str]
+) -> None:
+    create_pet = importlib.import_module(f"{PACKAGE}.api.pets.create_pet")
+    list_pets = importlib.import_module(f"{PACKAGE}.api.pets.list_pets")
+    get_pet = importlib.import_module(f"{PACKAGE}.api.pets.get_pet")
+    models = importlib.import_module(f"{PACKAGE}.models")
+
+    base_url = f"{server.url}/v1"
+    client = client_package.AuthenticatedClient(
+        base_url=base_url, token=issue_key("free"), raise_on_unexpected_status=True
+    )
+    with client:
+        new_pet = models.NewPet(name="Rex", category_id=7, status=models.NewPetStatus.AVAILABLE)
+        created = create_pet.sync_detailed(
+            client=client, body=new_pet, idempotency_key="generated-client-1"
+        )
+        assert created.status_code == 201, created.content
+        pet = created.parsed
+        assert isinstance(pet, models.Pet)
+        assert (pet.name, pet.category_id, pet.status) == ("Rex", 7, models.PetStatus.AVAILABLE)
+        assert created.headers["Location"] == f"/v1/pets/{pet.id}"
+
+        # A retry with the same Idempotency-Key gets the same pet back, not a second one.
+        retried = create_pet.sync_detailed(
+            client=client, body=new_pet, idempotency_key="generated-client-1"
+        )
+        assert retried.status_code == 201
+        assert retried.parsed.id == pet.id
+
+        second = create_pet.sync(client=client, body=models.NewPet(name="Tom", category_id=8))
+        assert isinstance(second, models.Pet)
+        assert not second.to_dict().get("status")  # never stated, so left out
+
+        page = list_pets.sync(client=client, limit=1)
+        assert [p.id for p in page] == [pet.id]
+        listed = list_pets.sync_detailed(client=client, limit=1)
+        assert listed.headers["Link"] == f'</v1/pets?limit=1&after={pet.id}>; rel="next"'
+        rest = list_pets.sync(client=client, limit=1, after=pet.id)
+        assert [p.id for p in rest] == [second.id]
+        available = list_pets.sync(client=client, status=models.ListPetsStatus.AVAILABLE)
+        assert [p.name for p in available] == ["Rex"]
+
+        fetched = get_pet.sync_detailed(pet.id, client=client)
+        assert fetched.status_code == 200
+        assert fetched.parsed.to_dict() == pet.to_dict()
+        assert fetched.headers["Sunset"] == "Thu, 05 Dec 2030 00:00:00 GMT"
+
+        missing = get_pet.sync(second.id + 1000, client=client)
+        assert isinstance(missing, models.Error)
+        assert (missing.code, missing.status) == ("not_found", 404)
+
+    anonymous = client_package.Client(base_url=base_url, raise_on_unexpected_status=True)
+    with anonymous:
+        refused = list_pets.sync(client=anonymous)
+        assert isinstance(refused, models.Error)
+        assert (refused.code, refused.status) == ("unauthorized", 401)

@@ -1,0 +1,317 @@
+"""The API description: GET /v1/openapi.json, its content, `petstore openapi`, and the /v1/docs page."""
+
+from __future__ import annotations
+
+import calendar
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+from openapi_spec_validator import validate
+from openapi_spec_validator.readers import read_from_filename
+
+from checks import assert_error
+from petstore import openapi, schemas
+
+PETSTORE = Path(sys.executable).parent / "petstore"
+RATE_LIMIT_HEADERS = {"X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}
+# (path, method) -> operationId: the spec's operation names, and ours for orders.
+OPERATIONS = {
+    ("/pets", "get"): "listPets",
+    ("/pets", "post"): "createPet",
+    ("/pets/{petId}", "get"): "getPet",
+    ("/store/orders", "get"): "listOrders",
+}
+# Every status each operation really answers (see petstore.errors, limits, auth and the views).
+STATUSES = {
+    "listPets": {"200", "400", "401", "429", "500", "503"},
+    "createPet": {"201", "400", "401", "409", "413", "415", "429", "500", "503"},
+    "getPet": {"200", "401", "404", "410", "429", "500", "503"},
+    "listOrders": {"401", "429", "500", "501", "503"},
+}
+
+
+def resolve(document: dict[str, Any], node: Any) -> Any:
+    """Follow a local $ref (#/components/...) until a node that is not a reference."""
+    while isinstance(node, dict) and "$ref" in node:
+        target: Any = document
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        node = target
+    return node
+
+
+def operations(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """operationId -> operation object, for every operation of the document."""
+    return {
+        operation["operationId"]: operation
+        for path_item in document["paths"].values()
+        for operation in path_item.values()
+    }
+
+
+def responses(document: dict[str, Any], operation_id: str) -> dict[str, dict[str, Any]]:
+    """status -> resolved response object of one operation."""
+    found = operations(document)[operation_id]["responses"]
+    return {status: resolve(document, response) for status, response in found.items()}
+
+
+def headers_of(document: dict[str, Any], response: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """header name -> resolved header object of one response."""
+    return {name: resolve(document, h) for name, h in response.get("headers", {}).items()}
+
+
+@pytest.fixture
+def document(client: FlaskClient) -> dict[str, Any]:
+    """The document the app serves, fetched without a key."""
+    response = client.get("/v1/openapi.json")
+    assert response.status_code == 200, response.get_data(as_text=True)
+    assert response.mimetype == "application/json"
+    body: dict[str, Any] = response.get_json()
+    return body
+
+
+def test_served_without_a_key_and_rate_limited_per_ip(client: FlaskClient) -> None:
+    response = client.get("/v1/openapi.json")
+    assert response.status_code == 200
+    assert RATE_LIMIT_HEADERS <= set(response.headers.keys())
+    assert response.headers["X-RateLimit-Limit"] == "60"
+    again = client.get("/v1/openapi.json")
+    assert (
+        int(again.headers["X-RateLimit-Remaining"])
+        == int(response.headers["X-RateLimit-Remaining"]) - 1
+    )
+
+
+def test_validates(document: dict[str, Any], tmp_path: Path) -> None:
+    """openapi-spec-validator accepts it, as served and as a file a client would download."""
+    validate(document)
+    saved = tmp_path / "openapi.json"
+    saved.write_text(json.dumps(document), encoding="utf-8")
+    spec_dict, base_uri = read_from_filename(str(saved))
+    validate(spec_dict, base_uri=base_uri)
+
+
+def test_every_operation_by_its_name(document: dict[str, Any]) -> None:
+    found = {
+        (path, method): operation["operationId"]
+        for path, path_item in document["paths"].items()
+        for method, operation in path_item.items()
+    }
+    assert found == OPERATIONS
+    assert document["openapi"].startswith("3.")
+    assert document["info"]["version"] == "1.0.0"
+
+
+@pytest.mark.parametrize("operation_id", sorted(STATUSES))
+def test_every_status_with_the_error_schema_and_rate_limit_headers(
+    document: dict[str, Any], operation_id: str
+) -> None:
+    found = responses(document, operation_id)
+    assert set(found) == STATUSES[operation_id]
+    for status, response in found.items():
+        headers = headers_of(document, response)
+        assert RATE_LIMIT_HEADERS <= set(headers), (status, headers)
+        assert all(headers[name]["required"] for name in RATE_LIMIT_HEADERS)
+        assert response["content"]["application/json"]["schema"]
+        if int(status) >= 400:
+            assert response["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/Error"
+            }
+        assert ("Retry-After" in headers) == (status in ("429", "503")), status
+        if status in ("429", "503"):
+            assert headers["Retry-After"]["required"] is True
+
+
+def test_list_pets_parameters_and_bounds(document: dict[str, Any]) -> None:
+    operation = operations(document)["listPets"]
+    parameters = {p["name"]: p for p in operation["parameters"]}
+    assert set(parameters) == {"limit", "status", "after"}
+    assert all(p["in"] == "query" and not p["required"] for p in parameters.values())
+    limit = parameters["limit"]["schema"]
+    assert (limit["type"], limit["minimum"], limit["maximum"], limit["default"]) == (
+        "integer",
+        1,
+        100,
+        20,
+    )
+    assert parameters["status"]["schema"]["enum"] == list(schemas.PET_STATUSES)
+    after = parameters["after"]["schema"]
+    assert (after["type"], after["minimum"], after["maximum"]) == ("integer", 0, 2**63 - 1)
+    assert "last pet of the previous page" in parameters["after"]["description"]
+    page = responses(document, "listPets")["200"]
+    assert page["content"]["application/json"]["schema"] == {
+        "type": "array",
+        "items": {"$ref": "#/components/schemas/Pet"},
+    }
+    link = headers_of(document, page)["Link"]
+    assert link["required"] is False  # only full pages have a next one
+    assert 'rel="next"' in link["schema"]["example"]
+
+
+def test_create_pet_body_location_and_idempotency_key(document: dict[str, Any]) -> None:
+    operation = operations(document)["createPet"]
+    body = operation["requestBody"]
+    assert body["required"] is True
+    assert body["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/NewPet"}
+    (key,) = operation["parameters"]
+    assert (key["name"], key["in"], key["required"]) == ("Idempotency-Key", "header", False)
+    assert (key["schema"]["minLength"], key["schema"]["maxLength"]) == (1, 255)
+    created = responses(document, "createPet")["201"]
+    assert headers_of(document, created)["Location"]["required"] is True
+    assert created["links"]["GetPetById"] == {
+        "operationId": "getPet",
+        "parameters": {"petId": "$response.body#/id"},
+        "description": "The new pet, by its `id`.",
+    }
+    assert "idempotency_key_reused" in responses(document, "createPet")["409"]["description"]
+
+
+def test_get_pet_is_deprecated_with_its_sunset(document: dict[str, Any]) -> None:
+    operation = operations(document)["getPet"]
+    assert operation["deprecated"] is True
+    assert operation["x-sunset"] == "2030-12-05"
+    assert "Thu, 05 Dec 2030 00:00:00 GMT" in operation["description"]
+    (pet_id,) = operation["parameters"]
+    assert pet_id["in"] == "path" and pet_id["required"] is True
+    assert pet_id["schema"] == {"type": "integer", "format": "int64"}
+    for status in ("200", "404", "410"):
+        headers = headers_of(document, responses(document, "getPet")[status])
+        assert {"Deprecation", "Sunset", "Link"} <= set(headers), status
+    assert headers_of(document, responses(document, "getPet")["200"])["Sunset"]["schema"][
+        "example"
+    ] == ("Thu, 05 Dec 2030 00:00:00 GMT")
+
+
+def test_sunset_comes_from_configuration(make_app: Callable[..., Flask]) -> None:
+    app = make_app(SUNSET=calendar.timegm((2031, 1, 2, 0, 0, 0)))
+    document = app.test_client().get("/v1/openapi.json").get_json()
+    operation = operations(document)["getPet"]
+    assert operation["x-sunset"] == "2031-01-02"
+    assert "Thu, 02 Jan 2031 00:00:00 GMT" in operation["description"]
+
+
+def test_list_orders_says_why_501(document: dict[str, Any]) -> None:
+    answer = responses(document, "listOrders")["501"]
+    assert "not specified" in answer["description"]
+    assert "not_implemented" in answer["description"]
+
+
+def test_bearer_security_everywhere(document: dict[str, Any]) -> None:
+    assert document["security"] == [{"bearerAuth": []}]
+    assert document["components"]["securitySchemes"]["bearerAuth"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The API key, as `Authorization: Bearer <key>`.",
+    }
+    for operation in operations(document).values():
+        assert "security" not in operation  # none opts out
+        unauthorized = resolve(document, operation["responses"]["401"])
+        assert headers_of(document, unauthorized)["WWW-Authenticate"]["required"] is True
+
+
+def test_schemas_are_the_marshmallow_ones(document: dict[str, Any]) -> None:
+    """Field names, required fields and bounds come from petstore.schemas, not a second copy."""
+    components = document["components"]["schemas"]
+    for name, schema in (
+        ("NewPet", schemas.NewPetSchema()),
+        ("Pet", schemas.PetSchema()),
+        ("Error", schemas.ErrorSchema()),
+    ):
+        fields = schema.fields.values()
+        assert set(components[name]["properties"]) == {f.data_key or f.name for f in fields}
+        assert set(components[name]["required"]) == {
+            f.data_key or f.name for f in fields if f.required
+        }
+    new_pet = components["NewPet"]
+    assert new_pet["additionalProperties"] is False
+    assert new_pet["properties"]["name"]["minLength"] == 1
+    assert new_pet["properties"]["categoryId"]["format"] == "int64"
+    assert new_pet["properties"]["categoryId"]["maximum"] == 2**63 - 1
+    assert new_pet["properties"]["status"]["enum"] == list(schemas.PET_STATUSES)
+    assert components["Pet"]["properties"]["status"]["enum"] == list(schemas.PET_STATUSES)
+
+
+def test_servers_from_configuration(make_app: Callable[..., Flask]) -> None:
+    default = make_app().test_client().get("/v1/openapi.json").get_json()
+    if not {"PETSTORE_BASE_URL", "PETSTORE_STAGING_BASE_URL"} & set(os.environ):
+        assert default["servers"] == [
+            {"url": "http://127.0.0.1:8000/v1", "description": "Production"},
+            {"url": "http://127.0.0.1:8001/v1", "description": "Staging"},
+        ]
+    app = make_app(
+        PUBLIC_BASE_URL="https://api.example.test/v1",
+        STAGING_BASE_URL="https://staging.example.test/v1",
+    )
+    document = app.test_client().get("/v1/openapi.json").get_json()
+    assert [server["url"] for server in document["servers"]] == [
+        "https://api.example.test/v1",
+        "https://staging.example.test/v1",
+    ]
+
+
+def test_built_once_per_app(app: Flask, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = app.test_client()
+    first = client.get("/v1/openapi.json").get_data()
+
+    def refuse(config: Any) -> dict[str, Any]:
+        raise AssertionError("the document is built again")
+
+    monkeypatch.setattr(openapi, "build_document", refuse)
+    assert client.get("/v1/openapi.json").get_data() == first
+
+
+def test_petstore_openapi_prints_the_served_document(client: FlaskClient) -> None:
+    """The console script, with no database configured, prints the very bytes the app serves."""
+    environ = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("DATABASE_URL", "PETSTORE_BASE_URL", "PETSTORE_STAGING_BASE_URL")
+    }
+    printed = subprocess.run(
+        [str(PETSTORE), "openapi"], env=environ, capture_output=True, text=True, timeout=60
+    )
+    assert printed.returncode == 0, printed.stderr
+    served = client.get("/v1/openapi.json").get_data(as_text=True)
+    if not {"PETSTORE_BASE_URL", "PETSTORE_STAGING_BASE_URL"} & set(os.environ):
+        assert printed.stdout == served
+    assert json.loads(printed.stdout)["paths"] == json.loads(served)["paths"]
+
+    staging = subprocess.run(
+        [str(PETSTORE), "openapi"],
+        env={**environ, "PETSTORE_STAGING_BASE_URL": "https://staging.example.test/v1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert staging.returncode == 0, staging.stderr
+    assert json.loads(staging.stdout)["servers"][1]["url"] == "https://staging.example.test/v1"
+
+
+def test_docs_page_and_its_assets_need_no_key(client: FlaskClient) -> None:
+    page = client.get("/v1/docs")
+    assert page.status_code == 200
+    assert page.mimetype == "text/html"
+    assert RATE_LIMIT_HEADERS <= set(page.headers.keys())
+    html = page.get_data(as_text=True)
+    assert 'url: "/v1/openapi.json"' in html
+    assert "http://" not in html and "https://" not in html  # nothing from another host
+    for asset in ("swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png"):
+        assert f"/v1/docs/assets/{asset}?v=" in html
+        response = client.get(f"/v1/docs/assets/{asset}")
+        assert response.status_code == 200, asset
+        assert len(response.get_data()) > 500
+        assert response.cache_control.max_age == 86400
+        response.close()
+
+
+@pytest.mark.parametrize("name", ["index.css", "swagger-ui.js", "LICENSE", "nothing.js"])
+def test_docs_serves_no_other_file(client: FlaskClient, name: str) -> None:
+    assert_error(client.get(f"/v1/docs/assets/{name}"), 404, "not_found")
