@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+from typing import Any
 
 _env = os.environ.get
 
@@ -56,3 +58,21 @@ logconfig_dict = {
 
 # Several instances may run on one host; gunicorn's default control socket path is shared.
 control_socket_disable = True
+
+
+def post_worker_init(worker: Any) -> None:
+    """On SIGTERM, close this worker's copy of the listening sockets at once.
+
+    A gthread worker that stops keeps the listening socket open until it exits: the kernel
+    still accepts connections that nobody will serve, and they are reset when the worker
+    goes. Closing it first makes new connections fail fast, so nginx sends them, POSTs
+    included, to another instance.
+    """
+    handle_exit = worker.handle_exit
+
+    def stop_listening_then_exit(signum: int, frame: Any) -> None:
+        handle_exit(signum, frame)
+        for listener in worker.sockets:
+            listener.sock.close()
+
+    signal.signal(signal.SIGTERM, stop_listening_then_exit)

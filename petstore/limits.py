@@ -84,6 +84,29 @@ def seconds_until(instant: float) -> int:
     return max(1, math.ceil(instant - time.time()))
 
 
+class FallbackLimiter(Limiter):
+    """flask-limiter where every request that meets a failing storage falls back, not only the first.
+
+    flask-limiter switches to its in-memory fallback in the request that finds the storage down;
+    another thread's request that was counting in the storage at that moment re-raised the error
+    (a 500). It counts in the fallback too.
+    """
+
+    def _check_request_limit(
+        self, callable_name: str | None = None, in_middleware: bool = True
+    ) -> None:
+        was_dead = self._storage_dead
+        try:
+            super()._check_request_limit(callable_name, in_middleware)
+        except RateLimitExceeded:
+            raise
+        except Exception:
+            if was_dead or not self._storage_dead:
+                raise
+            self.context.seen_limits.clear()
+            super()._check_request_limit(callable_name, in_middleware)
+
+
 def get_limiter() -> Limiter:
     """The limiter of the current app."""
     limiter: Limiter = current_app.extensions["petstore.limiter"]
@@ -193,7 +216,7 @@ def init_app(app: Flask) -> None:
     """Attach a limiter with one application-wide budget per key (or IP), bans and the header policy."""
     config = app.config
     refuse_shared_memory_storage(app)
-    limiter = Limiter(
+    limiter = FallbackLimiter(
         rate_limit_key,
         application_limits=[caller_limits],
         strategy=config["RATELIMIT_STRATEGY"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -682,3 +683,23 @@ def test_ban_holds_across_workers_and_restart(
     report(
         f"banned answers per worker: {dict(workers)}; ban ended after {BAN_SECONDS} s: {answer.status}"
     )
+
+
+def test_storage_failing_under_concurrent_requests_never_500(
+    make_app: Callable[..., Flask], issue_key: Callable[..., str]
+) -> None:
+    """Every request that meets the failing storage falls back, not only the first one."""
+    key = issue_key("pro")
+    with SilentServer() as silent:
+        app = make_app(
+            RATELIMIT_STORAGE_URI=f"redis://127.0.0.1:{silent.port}/0", REDIS_TIMEOUT=REDIS_TIMEOUT
+        )
+        together = threading.Barrier(16, timeout=10)
+
+        def get(_: int) -> int:
+            together.wait()
+            client = app.test_client()
+            return client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"}).status_code
+
+        with ThreadPoolExecutor(16) as pool:
+            assert list(pool.map(get, range(16))) == [200] * 16

@@ -1,0 +1,429 @@
+"""The deployment under test: the shipped nginx and gunicorn configs run on loopback, and a timed HTTP client."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
+
+from servers import LOOPBACK, Gunicorn, ServerFailed, free_port, log_tail
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE_CONF = ROOT / "deploy" / "nginx" / "petstore.conf"
+GUNICORN_CONF = ROOT / "deploy" / "gunicorn.conf.py"
+INSTALL_HINT = "run .ci/install-nginx (Debian's nginx package)"
+
+# What the shipped file says, and what the tests put in its place.
+UPSTREAM_BLOCK = re.compile(r"(upstream petstore \{\n)(.*?)(\n\})", re.S)
+UPSTREAM_SERVER = re.compile(r"^(\s*)server\s+\S+(.*;)$", re.M)
+LISTEN = re.compile(r"^(\s*)listen\s+80;$", re.M)
+ACCESS_LOG = re.compile(r"^(\s*)access_log\s+/\S+\s+petstore_json;$", re.M)
+
+
+def nginx_binary() -> str:
+    """The nginx program; skips the test when it is missing (conftest fails skips under CI)."""
+    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
+    if found is None:
+        pytest.skip(f"nginx is not installed: {INSTALL_HINT}")
+    return found
+
+
+def render_site(upstreams: Sequence[str], listen: str, access_log: Path) -> str:
+    """deploy/nginx/petstore.conf with these upstream addresses, listen address and access log."""
+    text = SITE_CONF.read_text(encoding="utf-8")
+    block = UPSTREAM_BLOCK.search(text)
+    assert block, f"no `upstream petstore {{...}}` block in {SITE_CONF}"
+    servers = UPSTREAM_SERVER.findall(block.group(2))
+    assert servers, f"no `server` line in the upstream block of {SITE_CONF}"
+    indent, parameters = servers[0]
+    ours = [f"{indent}server {address}{parameters}" for address in upstreams]
+    lines = block.group(2).split("\n")
+    first = next(n for n, line in enumerate(lines) if UPSTREAM_SERVER.match(line))
+    rest = [line for line in lines[first:] if not UPSTREAM_SERVER.match(line)]
+    body = "\n".join([*lines[:first], *ours, *rest])
+    text = text[: block.start(2)] + body + text[block.end(2) :]
+    text, listens = LISTEN.subn(rf"\g<1>listen {listen};", text)
+    assert listens == 1, f"expected one `listen 80;` in {SITE_CONF}"
+    text, logs = ACCESS_LOG.subn(rf"\g<1>access_log {access_log} petstore_json;", text)
+    assert logs == 1, f"expected one `access_log /... petstore_json;` in {SITE_CONF}"
+    return text
+
+
+def render_main(prefix: Path, site: Path, workers: int) -> str:
+    """A minimal nginx.conf around the site, like Debian's `http { include conf.d/*.conf; }`."""
+    # As root the workers would run as nobody, who cannot enter pytest's private temp dirs.
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    temp = prefix / "temp"
+    return (
+        f"{user}worker_processes {workers};\n"
+        f"pid {prefix / 'nginx.pid'};\n"
+        f"error_log {prefix / 'error.log'} warn;\n"
+        "events { worker_connections 512; }\n"
+        "http {\n"
+        f"    client_body_temp_path {temp / 'body'};\n"
+        f"    proxy_temp_path {temp / 'proxy'};\n"
+        f"    fastcgi_temp_path {temp / 'fastcgi'};\n"
+        f"    uwsgi_temp_path {temp / 'uwsgi'};\n"
+        f"    scgi_temp_path {temp / 'scgi'};\n"
+        f"    include {site};\n"
+        "}\n"
+    )
+
+
+class Nginx:
+    """nginx with the shipped site in front of `upstreams`, on a free loopback port, as a context manager."""
+
+    def __init__(
+        self,
+        upstreams: Sequence[str],
+        prefix: Path,
+        *,
+        workers: int = 2,
+        start_timeout: float = 10.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        self.upstreams = list(upstreams)
+        self.prefix = prefix
+        self.workers = workers
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.port = free_port()
+        self.url = f"http://{LOOPBACK}:{self.port}"
+        self.access_log_path = prefix / "access.log"
+        self.error_log_path = prefix / "error.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def write_config(self) -> Path:
+        """Render the site and the main config into the prefix; the main config's path."""
+        (self.prefix / "temp").mkdir(parents=True, exist_ok=True)
+        site = self.prefix / "petstore.conf"
+        site.write_text(
+            render_site(self.upstreams, f"{LOOPBACK}:{self.port}", self.access_log_path),
+            encoding="utf-8",
+        )
+        main = self.prefix / "nginx.conf"
+        main.write_text(render_main(self.prefix, site, self.workers), encoding="utf-8")
+        return main
+
+    def command(self, main: Path, *extra: str) -> list[str]:
+        """nginx with our prefix, config and error log (never the system's)."""
+        return [
+            nginx_binary(),
+            "-p",
+            f"{self.prefix}/",
+            "-c",
+            str(main),
+            "-e",
+            str(self.error_log_path),
+            *extra,
+        ]
+
+    def start(self) -> None:
+        """Check the config with `nginx -t`, start nginx in the foreground, wait (bounded) for its port."""
+        main = self.write_config()
+        check = subprocess.run(
+            self.command(main, "-t"), capture_output=True, text=True, timeout=self.start_timeout
+        )
+        if check.returncode != 0:
+            raise ServerFailed(f"nginx -t refused the rendered config:\n{check.stderr}")
+        self.process = subprocess.Popen(
+            self.command(main, "-g", "daemon off;"),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                status = self.process.returncode
+                self.process = None
+                raise ServerFailed(f"nginx exited with status {status}:\n{self.error_log()}")
+            try:
+                socket.create_connection((LOOPBACK, self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise ServerFailed(
+            f"nginx did not listen within {self.start_timeout} s:\n{self.error_log()}"
+        )
+
+    def stop(self) -> None:
+        """SIGQUIT (graceful), wait (bounded), then SIGKILL its process group; idempotent."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGQUIT)
+            try:
+                process.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=self.stop_timeout)
+        self.process = None
+
+    def access_log(self) -> list[dict[str, Any]]:
+        """nginx's access log, one JSON object per line (the petstore_json format)."""
+        if not self.access_log_path.exists():
+            return []
+        lines = self.access_log_path.read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def logged(
+        self, request_ids: Collection[str], within: float = 5.0
+    ) -> dict[str, dict[str, Any]]:
+        """request id -> nginx's access log entry of these requests, waiting (bounded) for the last.
+
+        nginx writes a line after it sent the answer, so a client may read the log before.
+        """
+        wanted = set(request_ids)
+        deadline = time.monotonic() + within
+        while True:
+            found = {e["request_id"]: e for e in self.access_log() if e["request_id"] in wanted}
+            if len(found) == len(wanted) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
+
+    def error_log(self) -> str:
+        """The tail of nginx's error log, for assertion messages."""
+        return log_tail(self.error_log_path)
+
+    def __enter__(self) -> Nginx:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class DeployedGunicorn(Gunicorn):
+    """gunicorn as deployed: `gunicorn -c deploy/gunicorn.conf.py wsgi:app`, set up by the environment."""
+
+    def __init__(
+        self,
+        environ: Mapping[str, str],
+        log_path: Path,
+        *,
+        workers: int = 2,
+        threads: int = 2,
+        start_timeout: float = 30.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        super().__init__(
+            environ,
+            log_path,
+            workers=workers,
+            threads=threads,
+            start_timeout=start_timeout,
+            stop_timeout=stop_timeout,
+        )
+        # The settings deploy/gunicorn.conf.py reads; SIGTERM waits less than stop() does.
+        self.environ.update(
+            {
+                "BIND": f"{LOOPBACK}:{self.port}",
+                "WEB_CONCURRENCY": str(workers),
+                "PETSTORE_THREADS": str(threads),
+                "GUNICORN_GRACEFUL_TIMEOUT": str(max(1, int(stop_timeout) - 2)),
+            }
+        )
+        self.address = f"{LOOPBACK}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The shipped config file and the app, nothing else."""
+        return [sys.executable, "-m", "gunicorn", "-c", str(GUNICORN_CONF), "wsgi:app"]
+
+    def __enter__(self) -> DeployedGunicorn:
+        self.start()
+        return self
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the master's worker processes right now."""
+        children = Path(f"/proc/{self.pid}/task/{self.pid}/children")
+        try:
+            return [int(pid) for pid in children.read_text().split()]
+        except FileNotFoundError:
+            return []
+
+    def wait_for_workers(self, within: float = 20.0) -> list[int]:
+        """Wait (bounded) until the master has all its workers; their pids."""
+        deadline = time.monotonic() + within
+        while True:
+            pids = self.worker_pids()
+            if len(pids) >= self.workers:
+                return pids
+            if time.monotonic() > deadline:
+                raise ServerFailed(f"{len(pids)} of {self.workers} workers:\n{self.log()}")
+            time.sleep(0.05)
+
+    def records(self) -> list[dict[str, Any]]:
+        """The log as JSON objects (lines that are not JSON are left out; see log_lines)."""
+        return [record for record in parse_lines(self.log_lines()) if record is not None]
+
+    def log_lines(self) -> list[str]:
+        """Every line of the log."""
+        return self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+
+
+@dataclass
+class Deployment:
+    """gunicorn instances (the shipped config) behind one nginx (the shipped site), all on loopback."""
+
+    instances: list[DeployedGunicorn]
+    nginx: Nginx
+
+    @property
+    def url(self) -> str:
+        """Where clients send requests: nginx."""
+        return self.nginx.url
+
+    def served_by(self, request_ids: Collection[str]) -> dict[str, str]:
+        """request id -> the upstream address nginx sent it to last, from nginx's access log."""
+        logged = self.nginx.logged(request_ids)
+        return {
+            request_id: entry["upstream"].split(", ")[-1] for request_id, entry in logged.items()
+        }
+
+
+@contextmanager
+def deploy(
+    environ: Mapping[str, str],
+    workdir: Path,
+    *,
+    instances: int = 2,
+    workers: int = 2,
+    threads: int = 2,
+    nginx_workers: int = 2,
+) -> Iterator[Deployment]:
+    """Start `instances` gunicorns with `environ`, nginx in front of them; stop everything on exit."""
+    with ExitStack() as stack:
+        servers = [
+            stack.enter_context(
+                DeployedGunicorn(
+                    environ, workdir / f"gunicorn-{n}.log", workers=workers, threads=threads
+                )
+            )
+            for n in range(instances)
+        ]
+        proxy = stack.enter_context(
+            Nginx([server.address for server in servers], workdir / "nginx", workers=nginx_workers)
+        )
+        yield Deployment(servers, proxy)
+
+
+def parse_lines(lines: Sequence[str]) -> list[dict[str, Any] | None]:
+    """Each line as a JSON object, or None where it is not one."""
+    parsed: list[dict[str, Any] | None] = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        parsed.append(record if isinstance(record, dict) else None)
+    return parsed
+
+
+@dataclass
+class Answer:
+    """What one request got back, and how long it took (headers keyed in lower case)."""
+
+    method: str
+    path: str
+    status: int
+    body: Any
+    headers: dict[str, str]
+    elapsed: float
+    started: float = 0.0
+    raw: bytes = field(default=b"", repr=False)
+
+    def header(self, name: str) -> str | None:
+        """A response header by name, any case."""
+        return self.headers.get(name.lower())
+
+    @property
+    def is_json_error(self) -> bool:
+        """Exactly the Error JSON of its own status, as application/json."""
+        body = self.body
+        return (
+            self.header("content-type") == "application/json"
+            and isinstance(body, dict)
+            and {"code", "message", "status"} <= set(body)
+            and set(body) <= {"code", "message", "status", "errors"}
+            and body["status"] == self.status
+            and isinstance(body["code"], str)
+            and isinstance(body["message"], str)
+        )
+
+
+def call(
+    base_url: str,
+    method: str,
+    path: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    body: bytes | None = None,
+    json_body: Any = None,
+    timeout: float = 10.0,
+    source: str | None = None,
+    connection: http.client.HTTPConnection | None = None,
+) -> Answer:
+    """One request with http.client (from `source` as client address if given), timed.
+
+    A timeout or a broken connection raises: callers that count outcomes catch OSError.
+    """
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    own = connection is None
+    if connection is None:
+        connection = http.client.HTTPConnection(
+            host, int(port), timeout=timeout, source_address=(source, 0) if source else None
+        )
+    sent_headers = dict(headers or {})
+    if json_body is not None:
+        body = json.dumps(json_body).encode()
+        sent_headers.setdefault("Content-Type", "application/json")
+    started = time.monotonic()
+    try:
+        connection.request(method, path, body=body, headers=sent_headers)
+        response = connection.getresponse()
+        raw = response.read()
+    except BaseException:
+        connection.close()
+        raise
+    finally:
+        if own:
+            connection.close()
+    elapsed = time.monotonic() - started
+    try:
+        parsed: Any = json.loads(raw) if raw else None
+    except ValueError:
+        parsed = raw.decode("utf-8", errors="replace")
+    received = {name.lower(): value for name, value in response.getheaders()}
+    return Answer(method, path, response.status, parsed, received, elapsed, started, raw)
