@@ -372,17 +372,20 @@ def check_load(stack: Stack, load: Load) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The module's stack; the outcome table of every fault at the end."""
+def stack(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[Stack]:
+    """The module's stack; the outcome table of every fault at the end, on the terminal."""
     running = Stack(tmp_path_factory.mktemp("faults"))
     try:
         running.start()
         yield running
     finally:
         running.stop()
-        if RESULTS:
-            print("\nFaults under load, through nginx and two gunicorn instances:")
-            print_table(RESULTS)
+        capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+        if RESULTS and capture is not None:
+            # Past pytest's capture, so that CI's log shows the outcomes of every run.
+            with capture.global_and_fixture_disabled():
+                print("\n\nFaults under load, through nginx and two gunicorn instances:")
+                print_table(RESULTS)
 
 
 def reads(load: Load) -> list[Attempt]:
