@@ -7,7 +7,7 @@ export BIND
 
 .DEFAULT_GOAL := help
 
-.PHONY: help run test lint format clean
+.PHONY: help run test lint format bench clean
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
@@ -32,6 +32,9 @@ lint: $(VENV)/.installed  ## ruff and mypy
 format: $(VENV)/.installed  ## Rewrite the code in ruff's format
 	$(BIN)/ruff format petstore tests wsgi.py
 	$(BIN)/ruff check --fix petstore tests wsgi.py
+
+bench: $(VENV)/.installed  ## Benchmark the service against the floor into bench/results/ (BENCH_ARGS=--help)
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 clean:  ## Remove the virtualenv and build files (var/ keeps the embedded database)
 	rm -rf $(VENV) build *.egg-info
