@@ -16,12 +16,11 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import pytest
 
-from servers import LOOPBACK, Gunicorn, ServerFailed, free_port, log_tail
+from servers import LOOPBACK, Gunicorn, ServerFailed, ServerProcess, poll_until
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE_CONF = ROOT / "deploy" / "nginx" / "petstore.conf"
@@ -85,8 +84,15 @@ def render_main(prefix: Path, site: Path, workers: int) -> str:
     )
 
 
-class Nginx:
+class Nginx(ServerProcess):
     """nginx with the shipped site in front of `upstreams`, on a free loopback port, as a context manager."""
+
+    name = "nginx"
+    ready = "listen"
+    stop_signal = signal.SIGQUIT  # graceful
+    # Its output goes where nginx itself sends its stderr once it has read the config.
+    log_mode = "ab"
+    poll_interval = 0.05
 
     def __init__(
         self,
@@ -97,16 +103,15 @@ class Nginx:
         start_timeout: float = 10.0,
         stop_timeout: float = 10.0,
     ) -> None:
+        super().__init__(
+            prefix / "error.log", start_timeout=start_timeout, stop_timeout=stop_timeout
+        )
         self.upstreams = list(upstreams)
         self.prefix = prefix
         self.workers = workers
-        self.start_timeout = start_timeout
-        self.stop_timeout = stop_timeout
-        self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         self.access_log_path = prefix / "access.log"
-        self.error_log_path = prefix / "error.log"
-        self.process: subprocess.Popen[bytes] | None = None
+        self.error_log_path = self.log_path
 
     def write_config(self) -> Path:
         """Render the site and the main config into the prefix; the main config's path."""
@@ -141,46 +146,15 @@ class Nginx:
         )
         if check.returncode != 0:
             raise ServerFailed(f"nginx -t refused the rendered config:\n{check.stderr}")
-        self.process = subprocess.Popen(
-            self.command(main, "-g", "daemon off;"),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                status = self.process.returncode
-                self.process = None
-                raise ServerFailed(f"nginx exited with status {status}:\n{self.error_log()}")
-            try:
-                socket.create_connection((LOOPBACK, self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise ServerFailed(
-            f"nginx did not listen within {self.start_timeout} s:\n{self.error_log()}"
-        )
+        self.launch(self.command(main, "-g", "daemon off;"))
 
-    def stop(self) -> None:
-        """SIGQUIT (graceful), wait (bounded), then SIGKILL its process group; idempotent."""
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(signal.SIGQUIT)
-            try:
-                process.wait(timeout=self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                pass
+    def answers(self) -> bool:
+        """Whether its port takes connections right now."""
         try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait(timeout=self.stop_timeout)
-        self.process = None
+            socket.create_connection((LOOPBACK, self.port), timeout=1).close()
+        except OSError:
+            return False
+        return True
 
     def access_log(self) -> list[dict[str, Any]]:
         """nginx's access log, one JSON object per line (the petstore_json format)."""
@@ -197,32 +171,15 @@ class Nginx:
         nginx writes a line after it sent the answer, so a client may read the log before.
         """
         wanted = set(request_ids)
-        deadline = time.monotonic() + within
-        while True:
-            found = {e["request_id"]: e for e in self.access_log() if e["request_id"] in wanted}
-            if len(found) == len(wanted) or time.monotonic() > deadline:
-                return found
-            time.sleep(0.05)
+        return poll_until(
+            lambda: {e["request_id"]: e for e in self.access_log() if e["request_id"] in wanted},
+            lambda found: len(found) == len(wanted),
+            within,
+        )
 
     def error_log(self) -> str:
         """The tail of nginx's error log, for assertion messages."""
-        return log_tail(self.error_log_path)
-
-    def __enter__(self) -> Nginx:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
+        return self.log()
 
 
 class DeployedGunicorn(Gunicorn):
@@ -261,10 +218,6 @@ class DeployedGunicorn(Gunicorn):
         """The shipped config file and the app, nothing else."""
         return [sys.executable, "-m", "gunicorn", "-c", str(GUNICORN_CONF), "wsgi:app"]
 
-    def __enter__(self) -> DeployedGunicorn:
-        self.start()
-        return self
-
     def worker_pids(self) -> list[int]:
         """The pids of the master's worker processes right now."""
         children = Path(f"/proc/{self.pid}/task/{self.pid}/children")
@@ -275,14 +228,10 @@ class DeployedGunicorn(Gunicorn):
 
     def wait_for_workers(self, within: float = 20.0) -> list[int]:
         """Wait (bounded) until the master has all its workers; their pids."""
-        deadline = time.monotonic() + within
-        while True:
-            pids = self.worker_pids()
-            if len(pids) >= self.workers:
-                return pids
-            if time.monotonic() > deadline:
-                raise ServerFailed(f"{len(pids)} of {self.workers} workers:\n{self.log()}")
-            time.sleep(0.05)
+        pids = poll_until(self.worker_pids, lambda pids: len(pids) >= self.workers, within)
+        if len(pids) < self.workers:
+            raise ServerFailed(f"{len(pids)} of {self.workers} workers:\n{self.log()}")
+        return pids
 
     def records(self) -> list[dict[str, Any]]:
         """The log as JSON objects (lines that are not JSON are left out; see log_lines)."""

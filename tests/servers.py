@@ -1,4 +1,4 @@
-"""Real server processes for tests: gunicorn and a throwaway PostgreSQL, on loopback, always cleaned up."""
+"""Real server processes for tests: gunicorn, Redis and a throwaway PostgreSQL, on loopback, always cleaned up."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Self, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -39,8 +41,149 @@ class ServerFailed(RuntimeError):
     """A server process exited early or did not answer in time."""
 
 
-class Gunicorn:
+def poll_until(
+    probe: Callable[[], T], done: Callable[[T], bool], within: float, interval: float = 0.05
+) -> T:
+    """Call `probe` every `interval` s until `done` holds for its value or `within` s passed; the last value."""
+    deadline = time.monotonic() + within
+    while True:
+        value = probe()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+class Service:
+    """Started on entering a with block and stopped on leaving it, also when the start fails half-way."""
+
+    def start(self) -> object:
+        """Start it (each subclass says how)."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop whatever runs; idempotent."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class ServerProcess(Service):
+    """A server program on a free loopback port, as a child in a session of its own with its output in a log file.
+
+    launch() waits (bounded) until it answers; stop() sends `stop_signal`, waits (bounded) and
+    SIGKILLs what is left of its process group; every error carries the tail of the log.
+    """
+
+    name = "server"
+    # What answering means, for the error when it never does.
+    ready = "answer"
+    stop_signal = signal.SIGTERM
+    log_mode = "wb"
+    poll_interval = 0.1
+
+    def __init__(self, log_path: Path, *, start_timeout: float, stop_timeout: float) -> None:
+        self.log_path = log_path
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        """The program's process id, which is also its process group's."""
+        assert self.process is not None, f"{self.name} is not started"
+        return self.process.pid
+
+    def launch(
+        self,
+        command: Sequence[str],
+        *,
+        cwd: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """Run `command` with its output in the log, then wait_healthy(); stop it if that fails."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open(self.log_mode) as log:
+            # A session of its own, so that the whole process group can be killed at the end.
+            self.process = subprocess.Popen(
+                command,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def answers(self) -> bool:
+        """Whether the program answers right now (each subclass says how to ask)."""
+        raise NotImplementedError
+
+    def wait_healthy(self) -> None:
+        """Poll answers() until it is true, the process exits or start_timeout passes; raise with the log then."""
+        assert self.process is not None
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerFailed(
+                    f"{self.name} exited early with status {self.process.returncode}; "
+                    f"log:\n{self.log()}"
+                )
+            if self.answers():
+                return
+            time.sleep(self.poll_interval)
+        raise ServerFailed(
+            f"{self.name} did not {self.ready} within {self.start_timeout} s; log:\n{self.log()}"
+        )
+
+    def stop(self) -> None:
+        """Send stop_signal, wait (bounded), then SIGKILL its process group if anything is left; idempotent."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(self.stop_signal)
+            try:
+                process.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # Children (gunicorn's workers, nginx's) are in its process group: none may outlive the test.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=self.stop_timeout)
+        self.process = None
+
+    def log(self) -> str:
+        """The tail of the log, for assertion messages."""
+        return log_tail(self.log_path)
+
+
+class Gunicorn(ServerProcess):
     """`python -m gunicorn wsgi:app` from the repository root on a free loopback port, as a context manager."""
+
+    name = "gunicorn"
+    ready = "answer /healthz"
 
     def __init__(
         self,
@@ -52,21 +195,11 @@ class Gunicorn:
         start_timeout: float = 30.0,
         stop_timeout: float = 10.0,
     ) -> None:
+        super().__init__(log_path, start_timeout=start_timeout, stop_timeout=stop_timeout)
         self.environ = dict(environ)
-        self.log_path = log_path
         self.workers = workers
         self.threads = threads
-        self.start_timeout = start_timeout
-        self.stop_timeout = stop_timeout
-        self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        """The gunicorn master's process id."""
-        assert self.process is not None, "gunicorn is not started"
-        return self.process.pid
 
     def command(self) -> list[str]:
         """The command line: the interpreter of the running venv, gthread workers, loopback only."""
@@ -95,41 +228,11 @@ class Gunicorn:
     def start(self) -> None:
         """Start gunicorn and wait (bounded) until /healthz answers; raise with its log otherwise."""
         environ = {**os.environ, **self.environ, "PYTHONUNBUFFERED": "1"}
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:
-            # A session of its own, so that the whole process group can be killed at the end.
-            self.process = subprocess.Popen(
-                self.command(),
-                cwd=ROOT,
-                env=environ,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        try:
-            self.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
+        self.launch(self.command(), cwd=ROOT, env=environ)
 
-    def wait_healthy(self) -> None:
-        """Poll /healthz until it answers 200, the process exits, or start_timeout passes."""
-        assert self.process is not None
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerFailed(
-                    f"gunicorn exited early with status {self.process.returncode}; "
-                    f"log:\n{log_tail(self.log_path)}"
-                )
-            if self.healthz() == 200:
-                return
-            time.sleep(0.1)
-        raise ServerFailed(
-            f"gunicorn did not answer /healthz within {self.start_timeout} s; "
-            f"log:\n{log_tail(self.log_path)}"
-        )
+    def answers(self) -> bool:
+        """Whether GET /healthz answers 200 right now."""
+        return self.healthz() == 200
 
     def healthz(self) -> int | None:
         """The status of GET /healthz, or None when nothing answers."""
@@ -142,43 +245,8 @@ class Gunicorn:
         finally:
             connection.close()
 
-    def stop(self) -> None:
-        """SIGTERM the master, wait (bounded), then SIGKILL its process group if anything is left."""
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        # Workers are in the master's process group: none may outlive the test.
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait(timeout=self.stop_timeout)
-        self.process = None
 
-    def log(self) -> str:
-        """The tail of gunicorn's log, for assertion messages."""
-        return log_tail(self.log_path)
-
-    def __enter__(self) -> Gunicorn:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-class ThrowawayPostgres:
+class ThrowawayPostgres(Service):
     """A PostgreSQL cluster of the test's own (petstore.embedded) in `datadir`; stopped on exit."""
 
     def __init__(self, datadir: Path) -> None:
@@ -204,42 +272,37 @@ class ThrowawayPostgres:
         database_url: str = embedded.url(self.datadir, dbname)
         return database_url
 
-    def __enter__(self) -> ThrowawayPostgres:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
+def loopback_redis_url(port: int, db: int = 0) -> str:
+    """The redis:// URL of database `db` of a server on this loopback port."""
+    return f"redis://{LOOPBACK}:{port}/{db}"
 
 
-class RedisServer:
+class RedisServer(ServerProcess):
     """A `redis-server` of the test's own on a free loopback port (no persistence), as a context manager.
 
     stop() kills it like a crash; start() again brings up an empty one on the same port.
     """
 
+    name = "redis-server"
+    ready = "answer PING"
+    # A crash: clients see their connections reset.
+    stop_signal = signal.SIGKILL
+    # A restart appends to the log of the server before.
+    log_mode = "ab"
+    poll_interval = 0.05
+
     def __init__(
         self, workdir: Path, *, start_timeout: float = 10.0, stop_timeout: float = 10.0
     ) -> None:
+        super().__init__(
+            workdir / "redis.log", start_timeout=start_timeout, stop_timeout=stop_timeout
+        )
         self.workdir = workdir
-        self.start_timeout = start_timeout
-        self.stop_timeout = stop_timeout
-        self.port = free_port()
-        self.log_path = workdir / "redis.log"
-        self.process: subprocess.Popen[bytes] | None = None
 
     def url(self, db: int = 0) -> str:
         """The redis:// URL of database `db` on this server."""
-        return f"redis://{LOOPBACK}:{self.port}/{db}"
+        return loopback_redis_url(self.port, db)
 
     def command(self) -> list[str]:
         """The command line: loopback only, no RDB or AOF files, in the foreground."""
@@ -262,31 +325,11 @@ class RedisServer:
     def start(self) -> None:
         """Start redis-server and wait (bounded) until it answers PING; raise with its log otherwise."""
         assert self.process is None, "redis-server is running already"
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.command(),
-                cwd=self.workdir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                status = self.process.returncode
-                self.process = None
-                raise ServerFailed(
-                    f"redis-server exited early with status {status}; log:\n{self.log()}"
-                )
-            if self.ping():
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise ServerFailed(
-            f"redis-server did not answer PING within {self.start_timeout} s; log:\n{self.log()}"
-        )
+        self.launch(self.command(), cwd=self.workdir)
+
+    def answers(self) -> bool:
+        """Whether it answers PING right now."""
+        return self.ping()
 
     def ping(self) -> bool:
         """Whether the server answers PING with PONG right now."""
@@ -297,34 +340,8 @@ class RedisServer:
         except OSError:
             return False
 
-    def stop(self) -> None:
-        """SIGKILL the server (a crash: clients see their connections reset) and reap it; idempotent."""
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=self.stop_timeout)
-        self.process = None
 
-    def log(self) -> str:
-        """The tail of redis-server's log, for assertion messages."""
-        return log_tail(self.log_path)
-
-    def __enter__(self) -> RedisServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-class SilentServer:
+class SilentServer(Service):
     """A TCP server on a free loopback port that accepts connections and never answers, as a context manager."""
 
     def __init__(self) -> None:
@@ -335,7 +352,7 @@ class SilentServer:
         self._stopping = threading.Event()
 
     def start(self) -> None:
-        """Listen and accept in a background thread; accepted connections stay open, unread."""
+        """Listen and accept in a background thread, handing each connection to handle()."""
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((LOOPBACK, self.port))
@@ -343,11 +360,11 @@ class SilentServer:
         # A timeout on accept() lets the thread notice stop() within a moment.
         listener.settimeout(0.1)
         self._listener = listener
-        self._thread = threading.Thread(target=self._accept, name="silent-server", daemon=True)
+        self._thread = threading.Thread(target=self._accept, name=type(self).__name__, daemon=True)
         self._thread.start()
 
     def _accept(self) -> None:
-        """Accept until stopped, keeping every connection open so that clients wait for a reply."""
+        """Accept until stopped."""
         assert self._listener is not None
         while not self._stopping.is_set():
             try:
@@ -356,7 +373,11 @@ class SilentServer:
                 continue
             except OSError:
                 return
-            self.accepted.append(connection)
+            self.handle(connection)
+
+    def handle(self, connection: socket.socket) -> None:
+        """Keep the connection open, unread, so that the client waits for a reply."""
+        self.accepted.append(connection)
 
     def stop(self) -> None:
         """Stop accepting and close every connection; idempotent."""
@@ -370,15 +391,3 @@ class SilentServer:
         for connection in self.accepted:
             connection.close()
         self.accepted.clear()
-
-    def __enter__(self) -> SilentServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()

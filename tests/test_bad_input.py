@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +10,7 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from checks import assert_error
+from checks import assert_error, post_chunked
 from conftest import count_pets
 from petstore import db
 from petstore.queries import pets
@@ -175,13 +174,7 @@ def test_chunked_body_over_the_cap_is_413(
     # Valid JSON up to the cap and blanks after it: a body cut at the cap would be accepted.
     data = body() + b" " * app.config["MAX_CONTENT_LENGTH"]
 
-    response = client.post(
-        "/v1/pets",
-        input_stream=io.BytesIO(data),
-        content_type="application/json",
-        headers={**auth_headers, "Transfer-Encoding": "chunked"},
-        environ_overrides={"wsgi.input_terminated": True},
-    )
+    response = post_chunked(client, data, auth_headers)
 
     assert_error(response, 413, "payload_too_large")
     assert table(conn) == seeded

@@ -8,12 +8,10 @@ import math
 import os
 import re
 import socket
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import pytest
@@ -21,7 +19,7 @@ import pytest
 from conftest import TEST_REDIS_URL, count_pets
 from nginx import Answer, Deployment, Nginx, call, deploy
 from petstore import db
-from servers import LOOPBACK, free_port
+from servers import LOOPBACK, SilentServer, free_port
 
 FREE_PER_MINUTE = 60
 IP_PER_MINUTE = 5
@@ -400,44 +398,19 @@ def test_refused_connection_goes_to_the_other_instance(
     assert refused >= 1, "nginx never tried the dead instance: the test proves nothing"
 
 
-class HangUpServer:
+class HangUpServer(SilentServer):
     """Reads each request in full, then closes the connection unanswered: an instance dying mid-request."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        super().__init__()
         self.address = f"{LOOPBACK}:{self.port}"
         self.request_lines: list[str] = []
-        self._stopping = threading.Event()
-        self._listener = socket.create_server((LOOPBACK, self.port))
-        self._listener.settimeout(0.1)
-        self._thread = threading.Thread(target=self._serve, name="hang-up", daemon=True)
 
-    def _serve(self) -> None:
-        """Accept until stopped; one connection at a time is plenty here."""
-        while not self._stopping.is_set():
-            try:
-                connection, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with connection:
-                connection.settimeout(5)
-                self.request_lines.append(read_request(connection))
-
-    def __enter__(self) -> HangUpServer:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._stopping.set()
-        self._thread.join(timeout=5)
-        self._listener.close()
+    def handle(self, connection: socket.socket) -> None:
+        """Read the request and hang up; one connection at a time is plenty here."""
+        with connection:
+            connection.settimeout(5)
+            self.request_lines.append(read_request(connection))
 
 
 def read_request(connection: socket.socket) -> str:

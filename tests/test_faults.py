@@ -24,7 +24,7 @@ import pytest
 
 from nginx import Answer, DeployedGunicorn, Nginx, call
 from petstore import auth, cli, config, db
-from servers import RedisServer, ThrowawayPostgres
+from servers import RedisServer, Service, ThrowawayPostgres
 
 APP_DBNAME = "petstore"
 # The app's bounds, small so that a fault is noticed within about a second; all ordinary settings.
@@ -56,6 +56,7 @@ RECOVERED_TAIL = 1.0
 # A create retried for this long without a 201 is given up (and fails the test).
 CREATE_DEADLINE = 15.0
 SUSTAINED = 30.0
+# Down longer than a pool wait, so that requests do notice.
 POSTGRES_DOWN = 1.5
 REDIS_DOWN = 1.5
 # A stopped master drains its workers (GUNICORN_GRACEFUL_TIMEOUT is 8 s in tests) and exits.
@@ -323,6 +324,17 @@ def run_fault(stack: Stack, name: str, fault: Callable[[], None]) -> tuple[Load,
     return load, result
 
 
+def outage(service: Service, seconds: float) -> Callable[[], None]:
+    """A fault: stop the service, leave it down for `seconds`, start it again."""
+
+    def fault() -> None:
+        service.stop()
+        time.sleep(seconds)
+        service.start()
+
+    return fault
+
+
 def summarize(name: str, load: Load, fault_at: float) -> Result:
     """The table row of a run."""
     attempts = load.attempts
@@ -395,27 +407,14 @@ def reads(load: Load) -> list[Attempt]:
 
 def test_postgres_restart_under_load(stack: Stack) -> None:
     """PostgreSQL restarts (fast shutdown, down a moment, start): prompt 503s, then 2xx; no write lost."""
-
-    def fault() -> None:
-        stack.cluster.stop()
-        # Down longer than a pool wait, so that requests do notice.
-        time.sleep(POSTGRES_DOWN)
-        stack.cluster.start()
-
-    load, result = run_fault(stack, "postgres restart", fault)
+    load, result = run_fault(stack, "postgres restart", outage(stack.cluster, POSTGRES_DOWN))
     assert result.unavailable > 0, "PostgreSQL was restarted but no request noticed"
     assert result.from_proxy == 0, "the instances were up: only the app may answer 503"
 
 
 def test_redis_stop_under_load(stack: Stack) -> None:
     """Redis dies, stays down a moment, comes back empty: the limiter falls back, nothing fails."""
-
-    def fault() -> None:
-        stack.redis.stop()
-        time.sleep(REDIS_DOWN)
-        stack.redis.start()
-
-    load, result = run_fault(stack, "redis stop", fault)
+    load, result = run_fault(stack, "redis stop", outage(stack.redis, REDIS_DOWN))
     assert result.ok == result.requests, "a Redis outage must not fail any request"
 
 

@@ -8,9 +8,9 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,8 +19,9 @@ import redis
 import requests
 from flask import Flask
 
+from checks import Answer, burst, flask_getter, http_getter
 from petstore import db
-from servers import Gunicorn, RedisServer, SilentServer
+from servers import Gunicorn, RedisServer, SilentServer, loopback_redis_url
 
 FREE_PER_MINUTE = 60
 # The limiter's socket timeouts (PETSTORE_REDIS_TIMEOUT, here its default), set explicitly.
@@ -42,65 +43,6 @@ BASE_ENVIRON = {
     "PETSTORE_REDIS_TIMEOUT": str(REDIS_TIMEOUT),
 }
 ACCESS_LINE = re.compile(r"access <(\d+)> (\d{3}) GET /v1/")
-
-
-@dataclass
-class Answer:
-    """What one request got back, and how long it took."""
-
-    status: int
-    body: Any
-    headers: Mapping[str, str]
-    elapsed: float
-    received: float = field(default_factory=time.time)
-
-
-def flask_getter(app: Flask, key: str) -> Callable[[], Answer]:
-    """GET /v1/pets through the Flask test client, timed, in a thread so that a hang fails the test."""
-    client = app.test_client()
-
-    def get() -> Answer:
-        executor = ThreadPoolExecutor(max_workers=1)
-        started = time.monotonic()
-        future = executor.submit(client.get, "/v1/pets", headers={"Authorization": f"Bearer {key}"})
-        try:
-            response = future.result(timeout=HANG_LIMIT)
-        except TimeoutError:
-            pytest.fail(f"GET /v1/pets did not answer within {HANG_LIMIT} s")
-        finally:
-            # A hung request's thread ends when the test's servers close its connections.
-            executor.shutdown(wait=False)
-        elapsed = time.monotonic() - started
-        headers = cast(Mapping[str, str], response.headers)
-        return Answer(response.status_code, response.get_json(silent=True), headers, elapsed)
-
-    return get
-
-
-def http_getter(base_url: str, key: str) -> Callable[[], Answer]:
-    """GET /v1/pets over HTTP on a new connection each time (so any worker may serve it), timed."""
-
-    def get() -> Answer:
-        started = time.monotonic()
-        response = requests.get(
-            f"{base_url}/v1/pets",
-            headers={"Authorization": f"Bearer {key}", "Connection": "close"},
-            timeout=HANG_LIMIT,
-        )
-        elapsed = time.monotonic() - started
-        try:
-            body = response.json()
-        except ValueError:
-            body = response.text
-        return Answer(response.status_code, body, response.headers, elapsed)
-
-    return get
-
-
-def burst(get: Callable[[], Answer], requests_total: int, clients: int) -> list[Answer]:
-    """Send `requests_total` requests from `clients` concurrent threads; every answer."""
-    with ThreadPoolExecutor(max_workers=clients) as executor:
-        return list(executor.map(lambda _: get(), range(requests_total)))
 
 
 def limit_headers(answer: Answer, limit: int) -> tuple[int, int]:
@@ -246,6 +188,11 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
+def counting_in(make_app: Callable[..., Flask], storage_uri: str) -> Flask:
+    """An app whose limiter counts in this storage, with the limiter's socket timeouts."""
+    return make_app(RATELIMIT_STORAGE_URI=storage_uri, REDIS_TIMEOUT=REDIS_TIMEOUT)
+
+
 def gunicorn(
     database_url: str,
     storage_uri: str,
@@ -324,7 +271,7 @@ def test_exact_count_across_gunicorn_workers(
         PETSTORE_BAN_THRESHOLD="1000000",
     ) as server:
         wait_for_workers(server, WORKERS)
-        answers = burst(http_getter(server.url, key), REQUESTS, CLIENTS)
+        answers = burst(http_getter(server.url, key, HANG_LIMIT), REQUESTS, CLIENTS)
         log = server.log_path.read_text()
 
     assert Counter(answer.status for answer in answers) == {200: 60, 429: REQUESTS - 60}
@@ -366,7 +313,7 @@ def test_default_threshold_bans_key_under_concurrency(
         PETSTORE_BAN_SECONDS="900",
     ) as server:
         wait_for_workers(server, WORKERS)
-        answers = burst(http_getter(server.url, key), REQUESTS, CLIENTS)
+        answers = burst(http_getter(server.url, key, HANG_LIMIT), REQUESTS, CLIENTS)
         log = server.log_path.read_text()
 
     ban_rows = bans_of(conn, key_id_of(conn))
@@ -442,7 +389,7 @@ def test_memory_storage_serves_with_one_worker(
     with gunicorn(
         database_url, "memory://", tmp_path / "gunicorn.log", workers=1, threads=4
     ) as server:
-        answers = expect_fast_ok(http_getter(server.url, key), 3)
+        answers = expect_fast_ok(http_getter(server.url, key, HANG_LIMIT), 3)
         log = server.log_path.read_text()
     assert remainings(answers) == [59, 58, 57]
     assert MEMORY_REFUSAL not in log, log
@@ -506,8 +453,8 @@ def test_redis_down_falls_back_then_recovers_flask(
 ) -> None:
     key = issue_key("free")
     with RedisServer(tmp_path / "redis") as server:
-        app = make_app(RATELIMIT_STORAGE_URI=server.url(), REDIS_TIMEOUT=REDIS_TIMEOUT)
-        outage = kill_and_restart(server, flask_getter(app, key))
+        app = counting_in(make_app, server.url())
+        outage = kill_and_restart(server, flask_getter(app, key, HANG_LIMIT))
     report(
         f"flask: slowest answer with Redis down {outage.slowest_while_down:.3f} s; counting in Redis "
         f"{outage.recovery_seconds:.2f} s after its restart ({outage.attempts_to_recover} requests)"
@@ -524,7 +471,7 @@ def test_redis_down_falls_back_then_recovers_gunicorn(
         with gunicorn(
             database_url, redis_server.url(), tmp_path / "gunicorn.log", workers=1, threads=2
         ) as server:
-            outage = kill_and_restart(redis_server, http_getter(server.url, key))
+            outage = kill_and_restart(redis_server, http_getter(server.url, key, HANG_LIMIT))
             log = server.log_path.read_text()
     assert "falling back to in-memory storage" in log, log
     assert "Rate limit storage recovered" in log, log
@@ -542,10 +489,8 @@ def test_silent_redis_does_not_hang_flask(
 ) -> None:
     key = issue_key("free")
     with SilentServer() as silent:
-        app = make_app(
-            RATELIMIT_STORAGE_URI=f"redis://127.0.0.1:{silent.port}/0", REDIS_TIMEOUT=REDIS_TIMEOUT
-        )
-        answers = expect_fast_ok(flask_getter(app, key), 12, interval=POLL_INTERVAL)
+        app = counting_in(make_app, loopback_redis_url(silent.port))
+        answers = expect_fast_ok(flask_getter(app, key, HANG_LIMIT), 12, interval=POLL_INTERVAL)
         assert silent.accepted, "the limiter never connected to the silent server"
     assert remainings(answers) == list(range(59, 47, -1))
     report(f"flask, silent Redis: slowest answer {max(answer.elapsed for answer in answers):.3f} s")
@@ -556,11 +501,13 @@ def test_silent_redis_does_not_hang_gunicorn(
 ) -> None:
     key = issue_key("free")
     with SilentServer() as silent:
-        silent_url = f"redis://127.0.0.1:{silent.port}/0"
+        silent_url = loopback_redis_url(silent.port)
         with gunicorn(
             database_url, silent_url, tmp_path / "gunicorn.log", workers=2, threads=2
         ) as server:
-            answers = expect_fast_ok(http_getter(server.url, key), 12, interval=POLL_INTERVAL)
+            answers = expect_fast_ok(
+                http_getter(server.url, key, HANG_LIMIT), 12, interval=POLL_INTERVAL
+            )
             log = server.log_path.read_text()
         assert silent.accepted, "the limiter never connected to the silent server"
     assert "falling back to in-memory storage" in log, log
@@ -591,7 +538,9 @@ def test_strategy_switch_ignores_old_keys(
 ) -> None:
     key = issue_key("enterprise", per_minute=3, per_day=1000)
 
-    before = flask_getter(make_app(RATELIMIT_STORAGE_URI=redis_url, RATELIMIT_STRATEGY=old), key)
+    before = flask_getter(
+        make_app(RATELIMIT_STORAGE_URI=redis_url, RATELIMIT_STRATEGY=old), key, HANG_LIMIT
+    )
     answers = [before() for _ in range(4)]
     assert [assert_ok(answer, 3) for answer in answers[:3]] == [2, 1, 0]
     assert_rate_limited(answers[3], 3)
@@ -600,7 +549,9 @@ def test_strategy_switch_ignores_old_keys(
     assert {strategy_of(name) for name in old_keys} == {old}, old_keys
     assert f"LIMITS:{old}/strikes/1" in old_keys, old_keys
 
-    after = flask_getter(make_app(RATELIMIT_STORAGE_URI=redis_url, RATELIMIT_STRATEGY=new), key)
+    after = flask_getter(
+        make_app(RATELIMIT_STORAGE_URI=redis_url, RATELIMIT_STRATEGY=new), key, HANG_LIMIT
+    )
     answers = [after() for _ in range(4)]
     # A budget of its own under the new strategy, counted in Redis (not in the in-memory fallback).
     assert [assert_ok(answer, 3) for answer in answers[:3]] == [2, 1, 0]
@@ -646,7 +597,7 @@ def test_ban_holds_across_workers_and_restart(
 
     with server("first.log") as first:
         wait_for_workers(first, WORKERS)
-        get = http_getter(first.url, key)
+        get = http_getter(first.url, key, HANG_LIMIT)
         assert [assert_ok(get(), 2) for _ in range(2)] == [1, 0]
         # Three strikes: the third 429 stores the ban.
         for _ in range(3):
@@ -665,7 +616,7 @@ def test_ban_holds_across_workers_and_restart(
     assert len(workers) >= 2, f"one worker served every banned request: {workers}"
 
     with server("second.log") as second:
-        get = http_getter(second.url, key)
+        get = http_getter(second.url, key, HANG_LIMIT)
         assert time.time() < banned_until - 1, (
             "the restart took longer than the ban: nothing to check"
         )
@@ -691,9 +642,7 @@ def test_storage_failing_under_concurrent_requests_never_500(
     """Every request that meets the failing storage falls back, not only the first one."""
     key = issue_key("pro")
     with SilentServer() as silent:
-        app = make_app(
-            RATELIMIT_STORAGE_URI=f"redis://127.0.0.1:{silent.port}/0", REDIS_TIMEOUT=REDIS_TIMEOUT
-        )
+        app = counting_in(make_app, loopback_redis_url(silent.port))
         together = threading.Barrier(16, timeout=10)
 
         def get(_: int) -> int:

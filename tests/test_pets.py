@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import calendar
-import io
 import re
 import time
 from collections.abc import Callable
@@ -14,7 +13,7 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from checks import assert_error
+from checks import assert_error, post_chunked
 from petstore import db
 
 SUNSET_HTTP_DATE = "Thu, 05 Dec 2030 00:00:00 GMT"
@@ -196,13 +195,7 @@ def test_create_accepts_a_chunked_body_within_the_cap(
         data += b" " * (app.config["MAX_CONTENT_LENGTH"] - len(data))
 
     # No Content-Length, as gunicorn passes a chunked body on.
-    response = client.post(
-        "/v1/pets",
-        input_stream=io.BytesIO(data),
-        content_type="application/json",
-        headers={**auth_headers, "Transfer-Encoding": "chunked"},
-        environ_overrides={"wsgi.input_terminated": True},
-    )
+    response = post_chunked(client, data, auth_headers)
 
     assert response.status_code == 201
     assert response.get_json()["name"] == "Rex"

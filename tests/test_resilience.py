@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +14,7 @@ import pytest
 import requests
 from flask import Flask
 
+from checks import Answer, burst, flask_getter, http_getter
 from petstore import auth, cli, config, create_app, db
 from servers import Gunicorn, ThrowawayPostgres
 
@@ -49,16 +50,6 @@ RECOVERED_WITHIN = 15.0
 POLL_INTERVAL = 0.2
 HTTP_TIMEOUT = 30.0
 APP_DBNAME = "petstore"
-
-
-@dataclass
-class Answer:
-    """What one request got back, and how long it took."""
-
-    status: int
-    body: Any
-    headers: Mapping[str, str]  # names in lower case
-    elapsed: float
 
 
 @dataclass
@@ -119,47 +110,6 @@ def gunicorn_environ(redis_url: str) -> dict[str, str]:
     make it one that no test reaches.
     """
     return {"RATELIMIT_STORAGE_URI": redis_url, "PETSTORE_IP_LIMITS": "1000000/minute;10000000/day"}
-
-
-def flask_getter(app: Flask, key: str) -> Callable[[], Answer]:
-    """GET /v1/pets through the Flask test client, timed."""
-    client = app.test_client()
-
-    def get() -> Answer:
-        started = time.monotonic()
-        response = client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"})
-        elapsed = time.monotonic() - started
-        headers = {name.lower(): value for name, value in response.headers.items()}
-        return Answer(response.status_code, response.get_json(silent=True), headers, elapsed)
-
-    return get
-
-
-def http_getter(base_url: str, key: str) -> Callable[[], Answer]:
-    """GET /v1/pets over HTTP, on a new connection each time, timed."""
-
-    def get() -> Answer:
-        started = time.monotonic()
-        response = requests.get(
-            f"{base_url}/v1/pets",
-            headers={"Authorization": f"Bearer {key}", "Connection": "close"},
-            timeout=HTTP_TIMEOUT,
-        )
-        elapsed = time.monotonic() - started
-        try:
-            body = response.json()
-        except ValueError:
-            body = response.text
-        headers = {name.lower(): value for name, value in response.headers.items()}
-        return Answer(response.status_code, body, headers, elapsed)
-
-    return get
-
-
-def burst(get: Callable[[], Answer], count: int = 32, at_once: int = 8) -> list[Answer]:
-    """`count` requests from `at_once` threads, so that every worker and pooled connection is used."""
-    with ThreadPoolExecutor(max_workers=at_once) as executor:
-        return list(executor.map(lambda _: get(), range(count)))
 
 
 def assert_unavailable(answer: Answer) -> None:
@@ -265,7 +215,7 @@ def test_database_down_gives_503_then_recovers(
 ) -> None:
     """Stop PostgreSQL under a running app: prompt 503s; start it: 200s again, and writes work."""
     app = outage_app()
-    get = flask_getter(app, cluster_key)
+    get = flask_getter(app, cluster_key, HTTP_TIMEOUT)
     assert_ok(get())
 
     outage = stop_and_start(cluster, get, down_for)
@@ -284,7 +234,7 @@ def test_app_starts_while_database_is_down(
 ) -> None:
     """create_app works without PostgreSQL; requests get 503 until it starts, then 200."""
     cluster.stop()
-    get = flask_getter(outage_app(), cluster_key)
+    get = flask_getter(outage_app(), cluster_key, HTTP_TIMEOUT)
     slowest = expect_unavailable(get, 2)
 
     cluster.start()
@@ -298,7 +248,7 @@ def test_restart_while_idle_loses_no_request(
     cluster: ThrowawayPostgres, cluster_key: str, outage_app: Callable[[], Flask]
 ) -> None:
     """Pooled connections cut by a restart are never handed to a request once PostgreSQL is back."""
-    restart_while_idle(cluster, flask_getter(outage_app(), cluster_key))
+    restart_while_idle(cluster, flask_getter(outage_app(), cluster_key, HTTP_TIMEOUT))
 
 
 def test_gunicorn_workers_recover_after_outage(
@@ -307,7 +257,7 @@ def test_gunicorn_workers_recover_after_outage(
     """The same stop/start cycle through two gunicorn workers, each with the pool it opened after the fork."""
     environ = {"DATABASE_URL": cluster.url(APP_DBNAME), **OUTAGE_ENVIRON, **gunicorn_environ}
     with Gunicorn(environ, tmp_path / "gunicorn.log", workers=2, threads=POOL_SIZE) as server:
-        get = http_getter(server.url, cluster_key)
+        get = http_getter(server.url, cluster_key, HTTP_TIMEOUT)
         # Both workers get pooled connections for the outage to cut.
         for answer in burst(get):
             assert_ok(answer)
@@ -327,7 +277,7 @@ def test_gunicorn_restart_while_idle_loses_no_request(
     """No worker hands out a connection cut by a restart that happened between requests."""
     environ = {"DATABASE_URL": cluster.url(APP_DBNAME), **OUTAGE_ENVIRON, **gunicorn_environ}
     with Gunicorn(environ, tmp_path / "gunicorn.log", workers=2, threads=POOL_SIZE) as server:
-        restart_while_idle(cluster, http_getter(server.url, cluster_key))
+        restart_while_idle(cluster, http_getter(server.url, cluster_key, HTTP_TIMEOUT))
 
 
 def test_concurrent_creates_through_gunicorn(
