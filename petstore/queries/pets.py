@@ -1,8 +1,8 @@
 """SQL over the pets table: one function per statement, connection first, rows as dicts.
 
-PostgreSQL writes each Pet's JSON itself (json_build_object, nulls stripped so an unstated
-status is left out), in the shape of schemas.PetSchema: the service sends those bytes as they
-come, with no Python object per pet on the way.
+PostgreSQL writes each Pet's JSON itself, with the SQL function pet_json (sql/0004_pet_json.sql:
+an unstated status is left out), in the shape of schemas.PetSchema: the service sends those
+bytes as they come, with no Python object per pet on the way.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ def list_pets(conn: Connection, *, after: int, limit: int) -> dict[str, Any]:
     """One keyset page over the primary key: {"pets": JSON array text, "count", "last_id"}."""
     row = conn.execute(
         """
-        select json_strip_nulls(coalesce(json_agg(json_build_object(
-                   'id', id, 'name', name, 'categoryId', category_id, 'status', status
-               ) order by id), '[]'))::text as pets,
+        select coalesce(json_agg(pet_json(id, name, category_id, status) order by id),
+                        '[]')::text as pets,
                count(*) as count,
                max(id) as last_id
           from (select id, name, category_id, status
@@ -37,9 +36,8 @@ def list_pets_by_status(conn: Connection, *, status: str, after: int, limit: int
     """One keyset page of one status over (status, id): {"pets", "count", "last_id"}."""
     row = conn.execute(
         """
-        select json_strip_nulls(coalesce(json_agg(json_build_object(
-                   'id', id, 'name', name, 'categoryId', category_id, 'status', status
-               ) order by id), '[]'))::text as pets,
+        select coalesce(json_agg(pet_json(id, name, category_id, status) order by id),
+                        '[]')::text as pets,
                count(*) as count,
                max(id) as last_id
           from (select id, name, category_id, status
@@ -59,9 +57,7 @@ def find_pet(conn: Connection, pet_id: int) -> str | None:
     """The JSON of the pet with this id, or None."""
     row = conn.execute(
         """
-        select json_strip_nulls(json_build_object(
-                   'id', id, 'name', name, 'categoryId', category_id, 'status', status
-               ))::text as pet
+        select pet_json(id, name, category_id, status)::text as pet
           from pets
          where id = %(pet_id)s
         """,
@@ -79,9 +75,7 @@ def insert_pet(
         insert into pets (name, category_id, status)
         values (%(name)s, %(category_id)s, %(status)s)
         returning id,
-                  json_strip_nulls(json_build_object(
-                      'id', id, 'name', name, 'categoryId', category_id, 'status', status
-                  ))::text as pet
+                  pet_json(id, name, category_id, status)::text as pet
         """,
         {"name": name, "category_id": category_id, "status": status},
     ).fetchone()
