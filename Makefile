@@ -25,13 +25,13 @@ test: $(VENV)/.installed  ## Run the test suite against a real PostgreSQL
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed  ## ruff and mypy
-	$(BIN)/ruff check petstore tests wsgi.py
-	$(BIN)/ruff format --check petstore tests wsgi.py
-	$(BIN)/mypy petstore wsgi.py
+	$(BIN)/ruff check petstore tests bench deploy wsgi.py
+	$(BIN)/ruff format --check petstore tests bench deploy wsgi.py
+	$(BIN)/mypy petstore bench wsgi.py
 
 format: $(VENV)/.installed  ## Rewrite the code in ruff's format
-	$(BIN)/ruff format petstore tests wsgi.py
-	$(BIN)/ruff check --fix petstore tests wsgi.py
+	$(BIN)/ruff format petstore tests bench deploy wsgi.py
+	$(BIN)/ruff check --fix petstore tests bench deploy wsgi.py
 
 bench: $(VENV)/.installed  ## Benchmark the service against the floor into bench/results/ (BENCH_ARGS=--help)
 	$(BIN)/python bench/run.py $(BENCH_ARGS)

@@ -21,7 +21,9 @@ bind = _env("BIND", "127.0.0.1:8000").split(",")
 # WEB_CONCURRENCY: worker processes. memory:// counts in one process, so it gets one worker;
 # with a shared storage (redis://) the default is 2 per core.
 _shared_storage = not _env("RATELIMIT_STORAGE_URI", "memory://").startswith("memory://")
-workers = int(_env("WEB_CONCURRENCY", str(2 * multiprocessing.cpu_count() if _shared_storage else 1)))
+workers = int(
+    _env("WEB_CONCURRENCY", str(2 * multiprocessing.cpu_count() if _shared_storage else 1))
+)
 
 # PETSTORE_THREADS: threads per worker; each thread may hold one pooled connection, so the
 # pool is sized to match unless PETSTORE_DB_POOL_SIZE says otherwise.
@@ -47,7 +49,11 @@ logconfig_dict = {
     "disable_existing_loggers": False,
     "formatters": {"json": {"()": "petstore.logs.JSONFormatter"}},
     "handlers": {
-        "stdout": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stdout"}
+        "stdout": {
+            "class": "logging.StreamHandler",
+            "formatter": "json",
+            "stream": "ext://sys.stdout",
+        }
     },
     "root": {"handlers": ["stdout"], "level": loglevel.upper()},
     "loggers": {
