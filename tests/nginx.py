@@ -346,7 +346,8 @@ def call(
 ) -> Answer:
     """One request with http.client (from `source` as client address if given), timed.
 
-    A timeout or a broken connection raises: callers that count outcomes catch OSError.
+    A timeout or a broken connection raises OSError, which callers that count outcomes catch: an
+    answer cut short (its server killed between the headers and the body) is a ConnectionError too.
     """
     host, port = base_url.removeprefix("http://").rsplit(":", 1)
     own = connection is None
@@ -363,6 +364,9 @@ def call(
         connection.request(method, path, body=body, headers=sent_headers)
         response = connection.getresponse()
         raw = response.read()
+    except http.client.HTTPException as exc:
+        connection.close()
+        raise ConnectionError(f"the answer was cut short: {exc!r}") from exc
     except BaseException:
         connection.close()
         raise

@@ -413,6 +413,35 @@ class HangUpServer(SilentServer):
             self.request_lines.append(read_request(connection))
 
 
+class HalfAnswerServer(HangUpServer):
+    """Answers the head of a 200 and hangs up before its body: an instance killed mid-answer."""
+
+    def handle(self, connection: socket.socket) -> None:
+        """Read the request, send a status line and headers promising a body, close."""
+        with connection:
+            connection.settimeout(5)
+            self.request_lines.append(read_request(connection))
+            connection.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 81\r\n\r\n"
+            )
+
+
+def test_answer_cut_short_reaches_the_client_as_a_broken_connection(tmp_path: Path) -> None:
+    """nginx cannot take back a status line it has passed on: the client sees a cut connection.
+
+    So a client (and the fault tests' load) must treat it like no answer at all and retry,
+    with an Idempotency-Key for a POST; `call` raises ConnectionError for it.
+    """
+    with (
+        HalfAnswerServer() as dying,
+        Nginx([dying.address], tmp_path / "nginx", workers=1) as proxy,
+    ):
+        with pytest.raises(ConnectionError, match="cut short"):
+            call(proxy.url, "GET", "/v1/pets", headers=bearer("ps_x"))
+        assert dying.request_lines == ["GET /v1/pets HTTP/1.1"]
+        assert "upstream prematurely closed connection" in proxy.error_log()
+
+
 def read_request(connection: socket.socket) -> str:
     """Read one HTTP request (head and Content-Length body) from a socket; its request line."""
     data = b""
