@@ -2,7 +2,9 @@
 
 For each table size: seed the pets with COPY, then for each server under test (gunicorn with
 deploy/gunicorn.conf.py on a free loopback port) check its answers, warm it up and run every wrk
-scenario of bench/wrk/. The report goes to stdout and to bench/results/<date>-<host>.md.
+scenario of bench/wrk/. At the first size, also the service with flask-limiter and the request log
+switched off (bench/ablation.py), to show where the distance to the floor goes. The report goes
+to stdout and to bench/results/<date>-<host>.md.
 
     .venv/bin/python bench/run.py [--database-url URL] [--sizes 10000,1000000] [--duration 5]
 
@@ -58,6 +60,7 @@ STATUSES = ("available", "pending", "available", "sold", None)
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0
 LIMITER_ROUNDS = 5
+DISTANCE_ROUNDS = 3
 STARTED = time.monotonic()
 
 Conn = psycopg.Connection[dict[str, Any]]
@@ -76,17 +79,23 @@ class Scenario:
 
 @dataclass(frozen=True)
 class Server:
-    """A server under test: the service or the floor, the comparison it is in, its worker count."""
+    """A server under test: the service or the floor, the comparison it is in, its worker count.
+
+    `without` switches parts of the service off, to show what they cost: "limiter" (it runs
+    bench/ablation.py) and "request log" (PETSTORE_LOG_LEVEL=warning).
+    """
 
     app: str  # "service" or "floor"
     storage: str  # "memory" or "redis"
     workers: int
+    without: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
         """How the report names it."""
         storage = f" {self.storage}://" if self.app == "service" else ""
-        return f"{self.app}{storage} {self.workers}×{THREADS}"
+        parts = f" without the {' and the '.join(self.without)}" if self.without else ""
+        return f"{self.app}{storage} {self.workers}×{THREADS}{parts}"
 
 
 SERVERS = (
@@ -94,6 +103,13 @@ SERVERS = (
     Server("floor", "memory", 1),
     Server("service", "redis", 2),
     Server("floor", "redis", 2),
+)
+# Where the distance between the service and the floor goes: parts of the service switched off.
+DISTANCE = (
+    Server("floor", "memory", 1),
+    Server("service", "memory", 1, without=("limiter", "request log")),
+    Server("service", "memory", 1, without=("limiter",)),
+    Server("service", "memory", 1),
 )
 
 
@@ -157,6 +173,8 @@ class Run:
     rss_kib: dict[tuple[int, str], list[int]] = field(default_factory=dict)
     plans: list[tuple[str, str, str]] = field(default_factory=list)
     limiter_us: dict[str, tuple[float, float]] = field(default_factory=dict)
+    distance: dict[tuple[str, str], Measure] = field(default_factory=dict)
+    distance_size: int = 0
     notes: list[str] = field(default_factory=list)
     commands: dict[str, str] = field(default_factory=dict)
     pages: dict[int, int] = field(default_factory=dict)
@@ -399,22 +417,34 @@ def server_env(server: Server, database_url: str, redis_url: str, port: int) -> 
         WEB_CONCURRENCY=str(server.workers),
         PETSTORE_THREADS=str(THREADS),
     )
+    if "request log" in server.without:
+        env["PETSTORE_LOG_LEVEL"] = "warning"  # the request log is written at info
     return env
 
 
 def server_command(server: Server) -> list[str]:
     """The gunicorn command line of a server (its settings come from the environment)."""
-    app = ["wsgi:app"] if server.app == "service" else ["--pythonpath", "bench", "floor:app"]
+    if server.app == "floor":
+        app = ["--pythonpath", "bench", "floor:app"]
+    elif "limiter" in server.without:
+        app = ["--pythonpath", "bench", "ablation:app"]
+    else:
+        app = ["wsgi:app"]
     return [sys.executable, "-m", "gunicorn", "-c", GUNICORN_CONFIG, *app]
 
 
 def shown_command(server: Server, env: dict[str, str]) -> str:
     """The server's command line for the report: no paths, no secrets."""
-    settings = ("RATELIMIT_STORAGE_URI", "WEB_CONCURRENCY", "PETSTORE_THREADS")
+    settings = (
+        "RATELIMIT_STORAGE_URI",
+        "WEB_CONCURRENCY",
+        "PETSTORE_THREADS",
+        "PETSTORE_LOG_LEVEL",
+    )
     command = [".venv/bin/python", *server_command(server)[1:]]
     return (
         "DATABASE_URL=<bench database> BIND=127.0.0.1:<port> "
-        + " ".join(f"{name}={env[name]}" for name in settings)
+        + " ".join(f"{name}={env[name]}" for name in settings if name in env)
         + f" {shlex.join(command)}"
     )
 
@@ -588,32 +618,9 @@ def bench_size(
     both sides of a ratio see the same background load.
     """
     redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
-    wrk_env = {
-        **os.environ,
-        "BENCH_KEY": key,
-        "BENCH_MIN_ID": str(table.min_id),
-        "BENCH_MAX_ID": str(table.max_id),
-    }
     with contextlib.ExitStack() as stack:
-        masters: dict[Server, Gunicorn] = {}
-        for server in SERVERS:
-            port = free_port()
-            env = server_env(server, database_url, args.redis_url, port)
-            run.commands.setdefault(server.label, shown_command(server, env))
-            name = f"{table.size}-{server.app}-{server.storage}-{server.workers}w"
-            masters[server] = stack.enter_context(gunicorn(server, env, port, name))
-        targets: dict[Server, Target] = {}
-        reference: Answers = {}
-        for server, running in masters.items():
-            running.wait_ready()
-            answers = sample_answers(running.port, key, table)
-            if reference:
-                compare_answers(reference, answers, f"{server.label} ({table.size:,} pets)", run)
-            reference = reference or answers
-            targets[server] = Target(running.port, running.worker_pids(), wrk_env)
-            warm_up = Scenario("warm-up", "mixed.lua", "/v1/pets")
-            run_wrk(args, targets[server], warm_up, args.warmup, args.connections)
-            forget_new_pets(conn, table)
+        masters = start_servers(args, stack, SERVERS, database_url, table, run)
+        targets = check_and_warm_up(args, conn, masters, key, table, run)
         for scenario in scenarios(table):
             for server, target in targets.items():
                 backends = pool_backends(conn)
@@ -627,6 +634,85 @@ def bench_size(
             run.rss_kib[(table.size, server.label)] = [
                 peak_rss_kib(pid) for pid in running.worker_pids()
             ]
+
+
+def start_servers(
+    args: argparse.Namespace,
+    stack: contextlib.ExitStack,
+    servers: tuple[Server, ...],
+    database_url: str,
+    table: Table,
+    run: Run,
+) -> dict[Server, Gunicorn]:
+    """Start each server on a free port, stopped when `stack` closes; note its command."""
+    masters: dict[Server, Gunicorn] = {}
+    for server in servers:
+        port = free_port()
+        env = server_env(server, database_url, args.redis_url, port)
+        run.commands.setdefault(server.label, shown_command(server, env))
+        without = "".join(f"-without-{part.replace(' ', '-')}" for part in server.without)
+        name = f"{table.size}-{server.app}-{server.storage}-{server.workers}w{without}"
+        masters[server] = stack.enter_context(gunicorn(server, env, port, name))
+    return masters
+
+
+def check_and_warm_up(
+    args: argparse.Namespace,
+    conn: Conn,
+    masters: dict[Server, Gunicorn],
+    key: str,
+    table: Table,
+    run: Run,
+) -> dict[Server, Target]:
+    """Wait for each server, compare its answers with the first one's, warm it up; wrk's targets."""
+    wrk_env = {
+        **os.environ,
+        "BENCH_KEY": key,
+        "BENCH_MIN_ID": str(table.min_id),
+        "BENCH_MAX_ID": str(table.max_id),
+    }
+    targets: dict[Server, Target] = {}
+    reference: Answers = {}
+    for server, running in masters.items():
+        running.wait_ready()
+        answers = sample_answers(running.port, key, table)
+        if reference:
+            compare_answers(reference, answers, f"{server.label} ({table.size:,} pets)", run)
+        reference = reference or answers
+        targets[server] = Target(running.port, running.worker_pids(), wrk_env)
+        warm_up = Scenario("warm-up", "mixed.lua", "/v1/pets")
+        run_wrk(args, targets[server], warm_up, args.warmup, args.connections)
+        forget_new_pets(conn, table)
+    return targets
+
+
+def where_the_distance_goes(
+    args: argparse.Namespace, conn: Conn, database_url: str, key: str, table: Table, run: Run
+) -> None:
+    """The floor, the service without the limiter and the request log, without the limiter, whole.
+
+    Two read scenarios, in DISTANCE_ROUNDS interleaved rounds of --duration seconds per server,
+    so that each server sees the same background load; the rounds are added up.
+    """
+    reads = [
+        s for s in scenarios(table) if s.name in ("GET /v1/pets?limit=20", "GET /v1/pets/{id}")
+    ]
+    rounds: dict[tuple[str, str], list[Measure]] = {}
+    with contextlib.ExitStack() as stack:
+        masters = start_servers(args, stack, DISTANCE, database_url, table, run)
+        targets = check_and_warm_up(args, conn, masters, key, table, run)
+        for _round in range(DISTANCE_ROUNDS):
+            for scenario in reads:
+                for server, target in targets.items():
+                    backends = pool_backends(conn)
+                    measure = run_wrk(
+                        args, target, scenario, args.duration, args.connections, backends
+                    )
+                    rounds.setdefault((scenario.name, server.label), []).append(measure)
+    run.distance_size = table.size
+    for (name, label), measures in rounds.items():
+        run.distance[(name, label)] = whole = combined(measures)
+        log(f"{table.size:>9,} pets  {label:<48} {name:<24} {whole.rps:>6,.0f} req/s")
 
 
 def check_sizes(
@@ -818,6 +904,8 @@ def bench(args: argparse.Namespace) -> int:
             table = seed(conn, size)
             run.pages[size] = table.page
             bench_size(args, conn, database_url, key, table, run)
+            if size == min(args.sizes):
+                where_the_distance_goes(args, conn, database_url, key, table, run)
         log(f"EXPLAIN (ANALYZE, BUFFERS) of the list queries at {table.size:,} pets")
         run.plans = explain_list_queries(conn, table)
         measure_limiter(args, database_url, key, run)
@@ -930,6 +1018,24 @@ def cpu_table(run: Run) -> list[str]:
     return lines
 
 
+def distance_table(run: Run) -> list[str]:
+    """Each step from the floor to the whole service: requests/s, against the floor, CPU."""
+    floor = DISTANCE[0].label
+    lines = [
+        "| scenario | server | req/s | × floor | app CPU µs/request | PostgreSQL µs/request |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for (name, label), measure in run.distance.items():
+        base = run.distance.get((name, floor))
+        ratio = measure.rps / base.rps if base else None
+        lines.append(
+            f"| {name} | {label} | {fmt(measure.rps)} | **{fmt(ratio, 2)}** | "
+            f"{fmt(measure.per_request_us(measure.app_cpu))} | "
+            f"{fmt(measure.per_request_us(measure.pg_cpu))} |"
+        )
+    return lines
+
+
 def size_table(run: Run) -> list[str]:
     """The deep and the filtered page against the first: median latency, PostgreSQL CPU."""
     service, floor = (Server("service", "memory", 1).label, Server("floor", "memory", 1).label)
@@ -1032,6 +1138,16 @@ def render(args: argparse.Namespace, run: Run, facts: dict[str, str], wall: floa
         f"## redis:// — {Server('service', 'redis', 2).label} against the floor",
         "",
         *comparison(run, "redis", 2),
+        "",
+        f"## Where the distance goes ({run.distance_size:,} pets, memory://, 1 worker)",
+        "",
+        "The service with parts switched off, beside the floor and the whole service: "
+        "`bench/ablation.py` is the service with flask-limiter disabled, and "
+        "`PETSTORE_LOG_LEVEL=warning` drops the request log. "
+        f"{DISTANCE_ROUNDS} interleaved rounds of {args.duration} s per server and scenario, "
+        "added up. CPU per request from /proc.",
+        "",
+        *distance_table(run),
         "",
         "## Where the CPU goes (memory:// pair)",
         "",
