@@ -2,7 +2,7 @@
 
 No Flask, no marshmallow, no limiter, no request log: parse the bearer token, look the key up with
 the service's query, run the service's SQL for the operation (the functions of petstore.queries),
-write the same JSON and headers, on a psycopg_pool pool with the service's connection settings.
+write the same JSON and headers, on a pool made as the service makes its own (petstore.db.open_pool).
 Served by the same gunicorn config as the service:
 
     gunicorn -c deploy/gunicorn.conf.py --pythonpath bench floor:app
@@ -16,8 +16,6 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
-
-from psycopg_pool import ConnectionPool
 
 from petstore import config, db
 from petstore.auth import hash_key
@@ -90,16 +88,7 @@ def create_floor() -> WSGIApp:
     """The floor WSGI app, with its own pool (created in each worker: gunicorn imports us after fork)."""
     settings = config.from_environ()
     config.check(settings)
-    pool: ConnectionPool[db.Connection] = ConnectionPool(
-        settings["DATABASE_URL"],
-        kwargs=db.connection_kwargs(settings),
-        min_size=settings["DB_POOL_SIZE"],
-        max_size=settings["DB_POOL_SIZE"],
-        timeout=settings["DB_POOL_TIMEOUT"],
-        name="floor",
-        open=False,
-    )
-    pool.open(wait=False)
+    pool = db.open_pool(settings, name="floor")
     get_pet_headers = [
         ("Deprecation", f"@{settings['DEPRECATED_AT']}"),
         ("Sunset", email.utils.formatdate(settings["SUNSET"], usegmt=True)),

@@ -3,7 +3,7 @@
 For each table size: seed the pets with COPY, then for each server under test (gunicorn with
 deploy/gunicorn.conf.py on a free loopback port) check its answers, warm it up and run every wrk
 scenario of bench/wrk/. At the first size, also the service with flask-limiter and the request log
-switched off (bench/ablation.py), to show where the distance to the floor goes. The report goes
+switched off (ABLATION_APP), to show where the distance to the floor goes. The report goes
 to stdout and to bench/results/<date>-<host>.md.
 
     .venv/bin/python bench/run.py [--database-url URL] [--sizes 10000,1000000] [--duration 5]
@@ -61,6 +61,8 @@ READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0
 LIMITER_ROUNDS = 5
 DISTANCE_ROUNDS = 3
+# The service with flask-limiter switched off; gunicorn calls the factory (literal arguments only).
+ABLATION_APP = "petstore:create_app({'RATELIMIT_ENABLED': False})"
 STARTED = time.monotonic()
 
 Conn = psycopg.Connection[dict[str, Any]]
@@ -81,8 +83,8 @@ class Scenario:
 class Server:
     """A server under test: the service or the floor, the comparison it is in, its worker count.
 
-    `without` switches parts of the service off, to show what they cost: "limiter" (it runs
-    bench/ablation.py) and "request log" (PETSTORE_LOG_LEVEL=warning).
+    `without` switches parts of the service off, to show what they cost: "limiter" (gunicorn
+    serves ABLATION_APP) and "request log" (PETSTORE_LOG_LEVEL=warning).
     """
 
     app: str  # "service" or "floor"
@@ -427,7 +429,7 @@ def server_command(server: Server) -> list[str]:
     if server.app == "floor":
         app = ["--pythonpath", "bench", "floor:app"]
     elif "limiter" in server.without:
-        app = ["--pythonpath", "bench", "ablation:app"]
+        app = [ABLATION_APP]
     else:
         app = ["wsgi:app"]
     return [sys.executable, "-m", "gunicorn", "-c", GUNICORN_CONFIG, *app]
@@ -974,19 +976,24 @@ def fmt(value: float | None, digits: int = 0) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
 
 
-def comparison(run: Run, storage: str, workers: int) -> list[str]:
-    """The table of the service against the floor for one storage."""
+def paired(run: Run, storage: str, workers: int) -> Iterator[tuple[int, str, Measure, Measure]]:
+    """(pets, scenario, service's measure, floor's measure) of each scenario both servers ran."""
     service = Server("service", storage, workers).label
     floor = Server("floor", storage, workers).label
+    for (size, label, name), ours in run.measures.items():
+        base = run.measures.get((size, floor, name))
+        if label == service and base is not None:
+            yield size, name, ours, base
+
+
+def comparison(run: Run, storage: str, workers: int) -> list[str]:
+    """The table of the service against the floor for one storage."""
     lines = [
         "| pets | scenario | service req/s | p50 ms | p99 ms "
         "| floor req/s | p50 ms | p99 ms | service/floor |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for (size, label, name), ours in run.measures.items():
-        base = run.measures.get((size, floor, name))
-        if label != service or base is None:
-            continue
+    for size, name, ours, base in paired(run, storage, workers):
         lines.append(
             f"| {size:,} | {name} | {fmt(ours.rps)} | {fmt(ours.p50_ms, 2)} | "
             f"{fmt(ours.p99_ms, 2)} | {fmt(base.rps)} | {fmt(base.p50_ms, 2)} | "
@@ -997,17 +1004,12 @@ def comparison(run: Run, storage: str, workers: int) -> list[str]:
 
 def cpu_table(run: Run) -> list[str]:
     """CPU per request of the memory:// pair, and how busy wrk and everything else were."""
-    service = Server("service", "memory", 1).label
-    floor = Server("floor", "memory", 1).label
     lines = [
         "| pets | scenario | service app µs | service PostgreSQL µs | floor app µs "
         "| floor PostgreSQL µs | wrk (cores) | other processes (cores) |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for (size, label, name), ours in run.measures.items():
-        base = run.measures.get((size, floor, name))
-        if label != service or base is None:
-            continue
+    for size, name, ours, base in paired(run, "memory", 1):
         wrk = max(ours.wrk_cpu / ours.seconds, base.wrk_cpu / base.seconds)
         other = max(ours.other_cpu / ours.seconds, base.other_cpu / base.seconds)
         lines.append(
@@ -1142,7 +1144,7 @@ def render(args: argparse.Namespace, run: Run, facts: dict[str, str], wall: floa
         f"## Where the distance goes ({run.distance_size:,} pets, memory://, 1 worker)",
         "",
         "The service with parts switched off, beside the floor and the whole service: "
-        "`bench/ablation.py` is the service with flask-limiter disabled, and "
+        f"`{ABLATION_APP}` is the service with flask-limiter disabled, and "
         "`PETSTORE_LOG_LEVEL=warning` drops the request log. "
         f"{DISTANCE_ROUNDS} interleaved rounds of {args.duration} s per server and scenario, "
         "added up. CPU per request from /proc.",

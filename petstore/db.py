@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -24,7 +24,7 @@ MIGRATION_LOCK = 0x7065_7473_746F_7265 >> 1  # "petstore", kept inside bigint
 MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
 
-def connection_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+def connection_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
     """libpq and psycopg options every connection of the service uses."""
     return {
         "autocommit": True,
@@ -35,9 +35,11 @@ def connection_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def init_app(app: Flask) -> None:
-    """Create the pool (one per process, opened without waiting) and release connections after each request."""
-    config = app.config
+def open_pool(config: Mapping[str, Any], name: str = "petstore") -> ConnectionPool[Connection]:
+    """The process's pool, sized and bounded by the settings, opened without waiting.
+
+    Not waiting lets the app start while PostgreSQL is down: requests get 503 until it is back.
+    """
     pool: ConnectionPool[Connection] = ConnectionPool(
         config["DATABASE_URL"],
         kwargs=connection_kwargs(config),
@@ -45,12 +47,16 @@ def init_app(app: Flask) -> None:
         max_size=config["DB_POOL_SIZE"],
         timeout=config["DB_POOL_TIMEOUT"],
         reconnect_timeout=config["DB_RECONNECT_TIMEOUT"],
-        name="petstore",
+        name=name,
         open=False,
     )
-    # Not waiting lets the app start while PostgreSQL is down: requests get 503 until it is back.
     pool.open(wait=False)
-    app.extensions["petstore.pool"] = pool
+    return pool
+
+
+def init_app(app: Flask) -> None:
+    """Create the pool (one per process) and release connections after each request."""
+    app.extensions["petstore.pool"] = open_pool(app.config)
     app.teardown_appcontext(_release_conn)
 
 
