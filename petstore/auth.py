@@ -13,6 +13,7 @@ from flask import current_app, g, request
 from petstore.db import Connection, first_query
 from petstore.errors import DATABASE_UNAVAILABLE, APIError
 from petstore.queries import keys
+from petstore.views import in_api
 
 KEY_PREFIX = "ps_"
 # "ps_" + 43 characters of base64url: 256 random bits.
@@ -82,7 +83,7 @@ def needs_key() -> bool:
     if request.endpoint is not None:
         view = current_app.view_functions.get(request.endpoint)
         return not getattr(view, "public", False)
-    return request.path == "/v1" or request.path.startswith("/v1/")
+    return in_api()
 
 
 def identify_caller() -> None:

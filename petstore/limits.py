@@ -17,6 +17,7 @@ from petstore import db, storages
 from petstore.config import ConfigError
 from petstore.errors import APIError, error_response
 from petstore.queries import bans
+from petstore.views import in_api
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +28,6 @@ PLAN_LIMITS: dict[str, tuple[int, int]] = {
     "pro": (300, 10_000),
     "business": (1_000, 100_000),
 }
-
-
-def in_scope() -> bool:
-    """Only the API under /v1 is limited; /healthz and friends are not."""
-    return request.path == "/v1" or request.path.startswith("/v1/")
 
 
 def rate_limit_key() -> str:
@@ -55,7 +51,7 @@ def caller_limits() -> str:
 def exempt() -> bool:
     """Requests that spend no budget: outside /v1, and from banned keys (refused before counting)."""
     caller = g.get("caller")
-    return not in_scope() or (caller is not None and caller["banned_until"] is not None)
+    return not in_api() or (caller is not None and caller["banned_until"] is not None)
 
 
 def refuse_banned() -> None:
@@ -158,7 +154,7 @@ def strike(limiter: Limiter, caller: dict[str, Any], breached: RequestLimit) -> 
 
 def set_headers(response: Response) -> Response:
     """X-RateLimit-* on every /v1 response: the breached limit on 429, else the one nearest to running out."""
-    if not in_scope():
+    if not in_api():  # only the API is limited; /healthz and /readyz are not
         return response
     numbers = g.get("rate_limit_headers")
     if numbers is None:
