@@ -46,6 +46,21 @@ def test_each_plan_has_its_numbers(
     assert numbers(response)[:2] == (per_minute, per_minute - 1)
 
 
+def test_plan_change_takes_effect_on_the_next_request(
+    client: Any, api_key: str, conn: db.Connection
+) -> None:
+    """free -> pro between two requests: the next one counts against 300/minute.
+
+    The storage key names the limit's numbers, so the new plan's minute starts a counter of its own.
+    """
+    assert numbers(client.get("/v1/pets", headers=bearer(api_key)))[:2] == (60, 59)
+    assert numbers(client.get("/v1/pets", headers=bearer(api_key)))[:2] == (60, 58)
+    conn.execute("update api_keys set plan = 'pro'")
+    assert numbers(client.get("/v1/pets", headers=bearer(api_key)))[:2] == (300, 299)
+    conn.execute("update api_keys set plan = 'free'")
+    assert numbers(client.get("/v1/pets", headers=bearer(api_key)))[:2] == (60, 57)
+
+
 def test_one_budget_across_all_routes(client: Any, api_key: str) -> None:
     remaining = [
         numbers(client.get(path, headers=bearer(api_key)))[1]
