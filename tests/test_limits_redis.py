@@ -406,6 +406,14 @@ class Outage:
     recovery_seconds: float
     attempts_to_recover: int
 
+    def summary(self, served_by: str) -> str:
+        """One line for the test report."""
+        return (
+            f"{served_by}: slowest answer with Redis down {self.slowest_while_down:.3f} s; "
+            f"counting in Redis {self.recovery_seconds:.2f} s after its restart "
+            f"({self.attempts_to_recover} requests)"
+        )
+
 
 def kill_and_restart(server: RedisServer, get: Callable[[], Answer]) -> Outage:
     """Count in Redis, kill it, expect fast 200s, restart it, expect counting in the new Redis (bounded).
@@ -455,10 +463,7 @@ def test_redis_down_falls_back_then_recovers_flask(
     with RedisServer(tmp_path / "redis") as server:
         app = counting_in(make_app, server.url())
         outage = kill_and_restart(server, flask_getter(app, key, HANG_LIMIT))
-    report(
-        f"flask: slowest answer with Redis down {outage.slowest_while_down:.3f} s; counting in Redis "
-        f"{outage.recovery_seconds:.2f} s after its restart ({outage.attempts_to_recover} requests)"
-    )
+    report(outage.summary("flask"))
 
 
 def test_redis_down_falls_back_then_recovers_gunicorn(
@@ -475,10 +480,7 @@ def test_redis_down_falls_back_then_recovers_gunicorn(
             log = server.log_path.read_text()
     assert "falling back to in-memory storage" in log, log
     assert "Rate limit storage recovered" in log, log
-    report(
-        f"gunicorn: slowest answer with Redis down {outage.slowest_while_down:.3f} s; counting in Redis "
-        f"{outage.recovery_seconds:.2f} s after its restart ({outage.attempts_to_recover} requests)"
-    )
+    report(outage.summary("gunicorn"))
 
 
 # 4. Redis silent: accepts, never answers ------------------------------------------------------
