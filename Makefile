@@ -7,7 +7,7 @@ export BIND
 
 .DEFAULT_GOAL := help
 
-.PHONY: help run test lint format bench clean
+.PHONY: help run test test-fast lint format bench clean
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
@@ -21,8 +21,11 @@ $(VENV)/.installed: setup.py setup.cfg
 run: $(VENV)/.installed  ## Serve on $BIND (embedded PostgreSQL under var/ unless DATABASE_URL is set)
 	exec $(BIN)/petstore serve
 
-test: $(VENV)/.installed  ## Run the test suite against a real PostgreSQL
+test: $(VENV)/.installed  ## Run every test (tests/app and tests/system) against a real PostgreSQL
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.installed  ## Run the in-process tier only (tests/app): well under a minute
+	$(BIN)/pytest tests/app $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed  ## ruff and mypy
 	$(BIN)/ruff check petstore tests bench deploy wsgi.py

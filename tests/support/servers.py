@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
 

@@ -17,8 +17,8 @@ from flask.testing import FlaskClient
 from openapi_spec_validator import validate
 from openapi_spec_validator.readers import read_from_filename
 
-from checks import assert_error
 from petstore import openapi, schemas
+from support.checks import assert_error
 
 PETSTORE = Path(sys.executable).parent / "petstore"
 RATE_LIMIT_HEADERS = {"X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}

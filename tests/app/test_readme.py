@@ -9,7 +9,7 @@ import docutils.utils
 
 from petstore import config
 
-README = Path(__file__).resolve().parent.parent / "README.rst"
+README = Path(__file__).resolve().parents[2] / "README.rst"
 
 
 def test_readme_renders_without_warnings() -> None:

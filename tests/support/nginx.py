@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from servers import LOOPBACK, Gunicorn, ServerFailed, ServerProcess, poll_until
+from support.servers import LOOPBACK, Gunicorn, ServerFailed, ServerProcess, poll_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SITE_CONF = ROOT / "deploy" / "nginx" / "petstore.conf"
 GUNICORN_CONF = ROOT / "deploy" / "gunicorn.conf.py"
 INSTALL_HINT = "run .ci/install-nginx (Debian's nginx package)"

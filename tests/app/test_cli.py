@@ -16,9 +16,9 @@ import pytest
 from click.testing import CliRunner, Result
 from flask.testing import FlaskClient
 
-from databases import empty_database
 from petstore import db
 from petstore.cli import main
+from support.databases import empty_database
 
 KEY = re.compile(r"ps_[A-Za-z0-9_-]{43}")
 PETSTORE = Path(sys.executable).parent / "petstore"

@@ -13,8 +13,8 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from checks import assert_error, post_chunked
 from petstore import db
+from support.checks import assert_error, post_chunked
 
 SUNSET_HTTP_DATE = "Thu, 05 Dec 2030 00:00:00 GMT"
 SUNSET_UNIX = calendar.timegm((2030, 12, 5, 0, 0, 0))

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from nginx import Answer, DeployedGunicorn, Nginx, call
 from petstore import auth, cli, config, db
-from servers import RedisServer, Service, ThrowawayPostgres
+from support.nginx import Answer, DeployedGunicorn, Nginx, call
+from support.servers import RedisServer, Service, ThrowawayPostgres
 
 APP_DBNAME = "petstore"
 # The app's bounds, small so that a fault is noticed within about a second; all ordinary settings.

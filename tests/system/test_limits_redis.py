@@ -19,9 +19,9 @@ import redis
 import requests
 from flask import Flask
 
-from checks import Answer, burst, flask_getter, http_getter
 from petstore import db
-from servers import Gunicorn, RedisServer, SilentServer, loopback_redis_url
+from support.checks import Answer, burst, flask_getter, http_getter
+from support.servers import Gunicorn, RedisServer, SilentServer, loopback_redis_url
 
 FREE_PER_MINUTE = 60
 # The limiter's socket timeouts (PETSTORE_REDIS_TIMEOUT, here its default), set explicitly.

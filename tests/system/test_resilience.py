@@ -14,9 +14,9 @@ import pytest
 import requests
 from flask import Flask
 
-from checks import Answer, burst, flask_getter, http_getter
 from petstore import auth, cli, config, create_app, db
-from servers import Gunicorn, ThrowawayPostgres
+from support.checks import Answer, burst, flask_getter, http_getter
+from support.servers import Gunicorn, ThrowawayPostgres
 
 # Small bounds so that an outage is noticed within about a second; all are ordinary settings.
 POOL_SIZE = 2

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from conftest import TEST_REDIS_URL, count_pets
-from nginx import Answer, Deployment, Nginx, call, deploy
 from petstore import db
-from servers import LOOPBACK, SilentServer, free_port
+from support.nginx import Answer, Deployment, Nginx, call, deploy
+from support.servers import LOOPBACK, SilentServer, free_port
 
 FREE_PER_MINUTE = 60
 IP_PER_MINUTE = 5

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from petstore import db
-from servers import Gunicorn
+from support.servers import Gunicorn
 
 GENERATOR = Path(sys.executable).parent / "openapi-python-client"
 PACKAGE = "animal_store_client"

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import redis
 
-from nginx import Answer, DeployedGunicorn, Nginx, call, parse_lines
 from petstore import db
-from servers import LOOPBACK, RedisServer, free_port
+from support.nginx import Answer, DeployedGunicorn, Nginx, call, parse_lines
+from support.servers import LOOPBACK, RedisServer, free_port
 
 READY_TIMEOUT = 0.5
 # A probe answers within its own bound plus slack for the rest of the request.

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from flask import Flask
 from werkzeug.test import TestResponse
 
-from checks import assert_error
 from petstore import db
 from petstore.cli import main as cli
+from support.checks import assert_error
 
 RATE_HEADERS = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
 
