@@ -9,7 +9,8 @@ from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from petstore import auth, config, db, errors, limits, logs
-from petstore.views import API_PREFIX, docs, health, orders, pets
+from petstore.views import docs, health, orders, pets
+from petstore.web import API_PREFIX
 
 
 def create_app(settings: Mapping[str, Any] | None = None) -> Flask:

@@ -13,7 +13,7 @@ from flask import current_app, g, request
 from petstore.db import Connection, first_query
 from petstore.errors import DATABASE_UNAVAILABLE, APIError
 from petstore.queries import keys
-from petstore.views import in_api
+from petstore.web import in_api
 
 KEY_PREFIX = "ps_"
 # "ps_" + 43 characters of base64url: 256 random bits.

@@ -17,7 +17,7 @@ from petstore import db, storages
 from petstore.config import ConfigError
 from petstore.errors import APIError, error_response
 from petstore.queries import bans
-from petstore.views import in_api
+from petstore.web import in_api
 
 log = logging.getLogger(__name__)
 

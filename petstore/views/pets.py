@@ -3,68 +3,20 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 from urllib.parse import urlencode
 
-from flask import Blueprint, Response, current_app, json, request
-from marshmallow import Schema, ValidationError
-from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
+from flask import Blueprint, Response, current_app, request
 from werkzeug.http import http_date
 
 from petstore import idempotency, schemas
 from petstore.db import Connection, get_conn
 from petstore.errors import APIError
 from petstore.queries import pets
+from petstore.web import json_body, json_response, validate
 
 bp = Blueprint("pets", __name__)
 
 PET_ID = schemas.DIGITS
-
-
-def json_response(body: str, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    """A response of JSON text written by PostgreSQL."""
-    return current_app.response_class(
-        body, status=status, headers=headers, mimetype="application/json"
-    )
-
-
-def request_body() -> bytes:
-    """The request body; 413 when it is longer than MAX_CONTENT_LENGTH, chunked bodies included."""
-    data = request.get_data(cache=False)
-    cap = request.max_content_length
-    # Without a Content-Length (chunked), werkzeug stops reading at the cap without complaint:
-    # a byte left unread means the body was longer.
-    if request.content_length is None and cap is not None and len(data) >= cap:
-        if request.input_stream.read(1):
-            raise RequestEntityTooLarge()
-    return data
-
-
-def json_body() -> Any:
-    """The request body as JSON; 415 unless it is application/json, 400 unless it parses."""
-    if request.mimetype != "application/json":
-        raise UnsupportedMediaType()
-    data = request_body()
-    try:
-        return json.loads(data)
-    except ValueError:
-        raise APIError(400, "The request body is not valid JSON.") from None
-    except RecursionError:
-        # The C decoder recurses once per nesting level; no valid NewPet nests deeper than one.
-        raise APIError(400, "The request body is nested too deeply.") from None
-
-
-def validate(schema: Schema, data: Any) -> dict[str, Any]:
-    """Load `data` with `schema`, turning its complaints into a 400 naming each field."""
-    if not isinstance(data, dict):
-        raise APIError(400, "The request body must be a JSON object.")
-    try:
-        loaded: dict[str, Any] = schema.load(data)
-    except ValidationError as exc:
-        assert isinstance(exc.messages, dict)
-        names = ", ".join(sorted(exc.messages))
-        raise APIError(400, f"Invalid value for: {names}.", errors=exc.messages) from None
-    return loaded
 
 
 @bp.get("/pets")
