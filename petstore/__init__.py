@@ -8,7 +8,7 @@ from typing import Any
 from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from petstore import auth, config, db, errors, limits, logs
+from petstore import budgets, config, db, errors, pipeline
 from petstore.views import docs, health, orders, pets
 from petstore.web import API_PREFIX
 
@@ -31,14 +31,12 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
             x_host=app.config["PROXY_COUNT"],
         )
 
-    logs.init_app(app)
     errors.init_app(app)
     db.init_app(app)
-    # The order of the request hooks matters: who is calling (never refuses), then their
-    # budget (per key, or per IP for the unidentified), then the refusal of the unidentified.
-    app.before_request(auth.identify_caller)
-    limits.init_app(app)
-    app.before_request(auth.require_caller)
+    budgets.init_app(app)
+    # The request path, in order (petstore/pipeline.py):
+    # identify → count → refuse banned → require a key → view → headers → log
+    pipeline.init_app(app)
 
     app.register_blueprint(health.bp)
     app.register_blueprint(pets.bp, url_prefix=API_PREFIX)

@@ -8,17 +8,19 @@ import secrets
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from flask import current_app, g, request
+from flask import current_app, request
 
 from petstore.db import Connection, first_query
-from petstore.errors import DATABASE_UNAVAILABLE, APIError
+from petstore.errors import APIError
 from petstore.queries import keys
-from petstore.web import in_api
 
 KEY_PREFIX = "ps_"
 # "ps_" + 43 characters of base64url: 256 random bits.
 KEY_SHAPE = re.compile(r"ps_[A-Za-z0-9_-]{43}")
 REALM = 'Bearer realm="petstore"'
+# RFC 6750: the scheme in any case, then one or more spaces (only spaces: a no-break space
+# or a tab is no separator), then the token; ASCII only, so no Unicode case folding either.
+BEARER = re.compile(r"bearer +(.+)", re.IGNORECASE | re.ASCII | re.DOTALL)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,12 +67,14 @@ def public(view: F) -> F:
     return view
 
 
-def bearer_token() -> str | None:
-    """The token of an `Authorization: Bearer <token>` header (scheme case-insensitive)."""
-    parts = request.headers.get("Authorization", "").split()
-    if len(parts) == 2 and parts[0].lower() == "bearer":
-        return parts[1]
-    return None
+def bearer_token(header: str) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header value, else None.
+
+    The token is checked against KEY_SHAPE (a token68) by the caller: a malformed one is an
+    invalid token, not a missing one.
+    """
+    match = BEARER.fullmatch(header)
+    return match[1] if match else None
 
 
 def unauthorized(message: str, token_given: bool) -> APIError:
@@ -83,42 +87,32 @@ def needs_key() -> bool:
     if request.endpoint is not None:
         view = current_app.view_functions.get(request.endpoint)
         return not getattr(view, "public", False)
-    return in_api()
+    return True
 
 
-def identify_caller() -> None:
-    """Find the key of the request; refuse nothing yet.
+def identify_caller() -> tuple[dict[str, Any] | None, APIError | None]:
+    """(the key's row, None), or (None, the 401 to answer): who is calling, refusing nothing yet.
 
-    Sets g.caller to the key's row (id, plan, per_minute, per_day, banned_until),
-    or to None and g.refusal to the error to answer. Refusing happens later, in
-    require_caller, so that the rate limiter can count refused requests per IP.
+    The row has id, plan, per_minute, per_day and banned_until. Refusing happens later, in
+    require_caller, so that a request without a valid key spends its address's budget first.
+    When the database cannot be asked, its error propagates: a 503, and no budget is spent.
     """
-    g.caller = None
-    g.refusal = None
     if not needs_key():
-        return
-    token = bearer_token()
+        return None, None
+    token = bearer_token(request.headers.get("Authorization", ""))
     if token is None:
-        g.refusal = unauthorized(
+        return None, unauthorized(
             "An API key is required: send 'Authorization: Bearer <key>'.", False
         )
-        return
-    try:
-        row = (
-            first_query(keys.find_key_by_hash, hash_key(token))
-            if KEY_SHAPE.fullmatch(token)
-            else None
-        )
-    except DATABASE_UNAVAILABLE as exc:
-        g.refusal = exc
-        return
+    row = (
+        first_query(keys.find_key_by_hash, hash_key(token)) if KEY_SHAPE.fullmatch(token) else None
+    )
     if row is None:
-        g.refusal = unauthorized("The API key is not valid.", True)
-        return
-    g.caller = row
+        return None, unauthorized("The API key is not valid.", True)
+    return row, None
 
 
-def require_caller() -> None:
-    """Answer the refusal identify_caller found (401, or 503 when the database is down)."""
-    if g.refusal is not None:
-        raise g.refusal
+def require_caller(refusal: APIError | None) -> None:
+    """Answer the refusal identify_caller found."""
+    if refusal is not None:
+        raise refusal

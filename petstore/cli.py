@@ -16,9 +16,9 @@ import psycopg
 from psycopg import sql
 
 from petstore import auth, config, db
+from petstore.plans import PLANS
 from petstore.queries import bans, idempotency, keys
 
-PLANS = ("free", "pro", "business", "enterprise")
 DEV_KEY_LABEL = "development key (make run)"
 GUNICORN_CONFIG = Path("deploy/gunicorn.conf.py")
 

@@ -11,7 +11,7 @@ from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin
 from werkzeug.http import http_date
 
-from petstore import limits, schemas
+from petstore import plans, schemas
 
 # 3.0, not 3.1: in 3.1 (JSON Schema 2020-12) `1.0` is an integer, but this service refuses it
 # for categoryId (a JSON integer literal is required); 3.0's Schema Object says the same as we do.
@@ -21,7 +21,7 @@ SECURITY_SCHEME = "bearerAuth"
 JSON = "application/json"
 
 # name in the environment -> (Flask config key, default). Both URLs end with the version segment.
-# The Error codes each status answers with (petstore.errors, petstore.limits, the views).
+# The Error codes each status answers with (petstore.errors, petstore.budgets, petstore.bans, the views).
 ERROR_CODES: dict[int, tuple[str, ...]] = {
     400: ("invalid_request",),
     401: ("unauthorized",),
@@ -61,12 +61,12 @@ method an operation does not list answers 405 `method_not_allowed` with an `Allo
 
 
 def description() -> str:
-    """info.description, with the plans' numbers from petstore.limits."""
-    plans = ", ".join(
+    """info.description, with the plans' numbers from petstore.plans."""
+    numbers = ", ".join(
         f"{plan} {per_minute:,}/minute and {per_day:,}/day"
-        for plan, (per_minute, per_day) in limits.PLAN_LIMITS.items()
+        for plan, (per_minute, per_day) in plans.PLAN_LIMITS.items()
     )
-    return DESCRIPTION.format(plans=plans)
+    return DESCRIPTION.format(plans=numbers)
 
 
 def error_response(status: int, description: str, headers: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
-from flask import Response, current_app, json, request
+from flask import Response, current_app, g, json, request
 from marshmallow import Schema, ValidationError
-from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, UnsupportedMediaType
 
 from petstore.errors import APIError
 
 API_PREFIX = "/v1"
+QUERY_CACHE_SIZE = 1024
+QUERY_CACHE: dict[tuple[int, bytes], Mapping[str, Any]] = {}
 
 
 def in_api() -> bool:
@@ -26,8 +30,27 @@ def json_response(body: str, status: int = 200, headers: dict[str, str] | None =
     )
 
 
+def read_body() -> None:
+    """Read the body now (capped); request_body answers with it, or raises what reading raised."""
+    try:
+        g.body = capped_body()
+    except (APIError, HTTPException) as exc:
+        g.body = exc
+
+
 def request_body() -> bytes:
     """The request body; 413 when it is longer than MAX_CONTENT_LENGTH, chunked bodies included."""
+    body = g.get("body")
+    if body is None:
+        return capped_body()
+    if isinstance(body, Exception):
+        raise body
+    data: bytes = body
+    return data
+
+
+def capped_body() -> bytes:
+    """Read the body from the client; 413 when it is longer than MAX_CONTENT_LENGTH."""
     data = request.get_data(cache=False)
     cap = request.max_content_length
     # Without a Content-Length (chunked), werkzeug stops reading at the cap without complaint:
@@ -50,6 +73,23 @@ def json_body() -> Any:
     except RecursionError:
         # The C decoder recurses once per nesting level; no valid NewPet nests deeper than one.
         raise APIError(400, "The request body is nested too deeply.") from None
+
+
+def validate_query(schema: Schema) -> Mapping[str, Any]:
+    """The query string loaded with `schema`, remembered by the raw query string.
+
+    Same input, same answer: clients repeat the same few query strings, and loading one costs
+    more than the rest of our request path. Only valid ones are remembered, at most
+    QUERY_CACHE_SIZE of them; the answer is read-only, since threads share it.
+    """
+    cache_key = (id(schema), request.query_string)
+    loaded = QUERY_CACHE.get(cache_key)
+    if loaded is None:
+        loaded = MappingProxyType(validate(schema, request.args.to_dict()))
+        if len(QUERY_CACHE) >= QUERY_CACHE_SIZE:
+            QUERY_CACHE.clear()
+        QUERY_CACHE[cache_key] = loaded
+    return loaded
 
 
 def validate(schema: Schema, data: Any) -> dict[str, Any]:

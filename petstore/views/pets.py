@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from urllib.parse import urlencode
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, current_app
 from werkzeug.http import http_date
 
 from petstore import idempotency, schemas
 from petstore.db import Connection, get_conn
 from petstore.errors import APIError
 from petstore.queries import pets
-from petstore.web import json_body, json_response, validate
+from petstore.web import json_body, json_response, validate, validate_query
 
 bp = Blueprint("pets", __name__)
 
@@ -22,7 +22,7 @@ PET_ID = schemas.DIGITS
 @bp.get("/pets")
 def list_pets() -> Response:
     """listPets: one page by id ascending; a Link rel=next when the page is full."""
-    query = validate(schemas.list_pets_query, request.args.to_dict())
+    query = validate_query(schemas.list_pets_query)
     status = query.get("status")
     if status is None:
         page = pets.list_pets(get_conn(), after=query["after"], limit=query["limit"])

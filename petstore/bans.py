@@ -1,0 +1,68 @@
+"""Strikes and bans: a key that keeps calling after 429 is banned for a while, in PostgreSQL."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from flask import current_app, g
+from limits import RateLimitItem
+
+from petstore import db
+from petstore.errors import APIError
+from petstore.overrides import PlanLimiter
+from petstore.plans import key_limits
+from petstore.queries import bans as ban_sql
+
+log = logging.getLogger(__name__)
+
+
+def seconds_until(instant: float) -> int:
+    """Whole seconds from now until `instant`, at least 1 (a Retry-After value)."""
+    return max(1, math.ceil(instant - time.time()))
+
+
+def refuse_banned(caller: Mapping[str, Any] | None) -> None:
+    """A banned key gets 429 api_key_banned until its ban ends (and spends no budget)."""
+    if caller is None or caller["banned_until"] is None:
+        return
+    until = caller["banned_until"].timestamp()
+    g.rate_limit_headers = (key_limits(caller)[0].amount, 0, math.ceil(until))
+    raise APIError(
+        429,
+        f"This API key is banned until {caller['banned_until'].isoformat(timespec='seconds')} "
+        "for continuing to call after 429 responses.",
+        "api_key_banned",
+        headers={"Retry-After": str(seconds_until(until))},
+    )
+
+
+def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem) -> None:
+    """Count a 429 against the key in the limiter storage; at the threshold, ban it in PostgreSQL.
+
+    The 429 stands even when the strike cannot be counted or the ban stored.
+    """
+    config = current_app.config
+    storage = limiter.limiter.storage
+    strike_key = f"{config['RATELIMIT_STRATEGY']}/strikes/{caller['id']}"
+    try:
+        strikes = storage.incr(strike_key, spent.get_expiry())
+        if strikes < config["BAN_THRESHOLD"]:
+            return
+        conn = db.get_conn()
+        with conn.transaction():
+            ban = ban_sql.insert_ban(
+                conn, key_id=caller["id"], base_seconds=config["BAN_SECONDS"], strikes=strikes
+            )
+        # A new ban starts a new count: after it ends, the key gets a full threshold again.
+        storage.clear(strike_key)
+    except Exception:
+        log.exception("cannot count a strike against key %s", caller["id"])
+        return
+    if ban is not None:
+        log.warning(
+            "banned key %s for %s s after %s strikes", caller["id"], ban["seconds"], strikes
+        )

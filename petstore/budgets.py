@@ -1,0 +1,173 @@
+"""Budgets: plan-keyed limits per key (or per client address), counted once per request, and
+the X-RateLimit-* header policy."""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Flask, Response, current_app, g, request
+from flask_limiter.util import get_remote_address
+from limits import parse_many
+
+from petstore import bans, storages
+from petstore.config import ConfigError
+from petstore.errors import APIError
+from petstore.overrides import PlanLimiter
+from petstore.plans import Limits, key_limits
+
+# flask-limiter's scope of an application-wide limit: part of every storage key.
+SCOPE = "global"
+# An IPv6 client is keyed by its /64: one subscriber's network, however many addresses it uses.
+IPV6_PREFIX = 64
+
+
+def client_key(address: str | None) -> str:
+    """Whose budget a request without a valid key spends: its address (an IPv6 one by its /64)."""
+    if address and ":" in address:
+        try:
+            network = ipaddress.IPv6Network((address, IPV6_PREFIX), strict=False)
+        except ValueError:
+            return f"ip:{address}"
+        return f"ip:{network}"
+    return f"ip:{address}"
+
+
+def get_limiter() -> PlanLimiter:
+    """The limiter of the current app."""
+    limiter: PlanLimiter = current_app.extensions["petstore.limiter"]
+    return limiter
+
+
+def count(caller: Mapping[str, Any] | None) -> None:
+    """Spend one request of the caller's budget (the key's, else the client address's).
+
+    Every limit is counted, smallest window first, as flask-limiter does; the first one spent
+    answers 429 and counts a strike against the key. The numbers for X-RateLimit-* are kept in
+    g.rate_limit_headers: the limit nearest to running out.
+    """
+    limiter = get_limiter()
+    if not limiter.enabled:
+        return
+    who, limits = budget_of(caller)
+    prefix = current_app.config["RATELIMIT_STRATEGY"]
+    limiter.forget_counts()
+    for limit in limits:
+        if not limiter.hit(limit, prefix, who, SCOPE):
+            window = limiter.window(limit, prefix, who, SCOPE)
+            reset = window.reset_time if window else time.time() + limit.get_expiry()
+            g.rate_limit_headers = (limit.amount, 0, math.ceil(reset))
+            if caller is not None:
+                bans.strike(limiter, caller, limit)
+            raise APIError(
+                429,
+                f"Rate limit exceeded: {limit.amount} per {limit.GRANULARITY.name}.",
+                "rate_limited",
+                headers={"Retry-After": str(bans.seconds_until(reset))},
+            )
+    g.rate_limit_headers = standing(limiter, prefix, who, limits)
+
+
+def show_unspent() -> None:
+    """X-RateLimit-* of a request that spends nothing: the client address's budget as it stands.
+
+    For answers that are not the client's doing (the database cannot say who is calling).
+    """
+    limiter = get_limiter()
+    if limiter.enabled:
+        who, limits = budget_of(None)
+        prefix = current_app.config["RATELIMIT_STRATEGY"]
+        g.rate_limit_headers = standing(limiter, prefix, who, limits)
+
+
+def budget_of(caller: Mapping[str, Any] | None) -> tuple[str, Limits]:
+    """(whose budget, its limits): the key's plan, else the client address's IP_LIMITS."""
+    if caller is not None:
+        return f"key:{caller['id']}", key_limits(caller)
+    ip_limits: Limits = current_app.extensions["petstore.ip_limits"]
+    return client_key(request.remote_addr), ip_limits
+
+
+def standing(
+    limiter: PlanLimiter, prefix: str, who: str, limits: Limits
+) -> tuple[int, int, int] | None:
+    """(limit, remaining, reset) of the limit nearest to running out; None if unreadable."""
+    shown: tuple[int, int, int] | None = None
+    for limit in limits:
+        window = limiter.window(limit, prefix, who, SCOPE)
+        if window is None:
+            # The storage failed between counting and reporting: answer without the headers.
+            return None
+        reset = window.reset_time
+        if window.remaining == limit.amount:  # nothing counted in this window yet
+            reset = time.time() + limit.get_expiry()
+        if shown is None or window.remaining < shown[1]:
+            shown = (limit.amount, window.remaining, math.ceil(reset))
+    return shown
+
+
+def set_headers(response: Response) -> None:
+    """X-RateLimit-* on every /v1 response that was counted (or refused for a ban)."""
+    numbers = g.get("rate_limit_headers")
+    if numbers is not None:
+        limit, remaining, reset = numbers
+        headers = response.headers
+        headers["X-RateLimit-Limit"] = str(limit)
+        headers["X-RateLimit-Remaining"] = str(remaining)
+        headers["X-RateLimit-Reset"] = str(reset)
+
+
+def refuse_shared_memory_storage(app: Flask) -> None:
+    """memory:// counts per process: refuse to run in a second worker of the same gunicorn master.
+
+    Each worker binds an abstract unix socket named after its master's pid; a second
+    worker finds the name taken. The kernel frees it when the worker dies, so a
+    replacement worker starts fine.
+    """
+    if not app.config["RATELIMIT_STORAGE_URI"].startswith("memory://"):
+        return
+    if not os.environ.get("SERVER_SOFTWARE", "").startswith("gunicorn"):
+        return
+    guard = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        guard.bind(f"\0petstore-memory-limiter-{os.getppid()}")
+    except OSError:
+        guard.close()
+        # Not SystemExit: gunicorn reboots a worker that exits with status 1, forever, while
+        # the first worker serves; an exception during boot makes the whole server stop.
+        raise ConfigError(
+            "RATELIMIT_STORAGE_URI=memory:// counts in one process only, and this gunicorn runs "
+            "more than one worker: every limit would be multiplied. Use --workers 1 (and "
+            "--threads for concurrency) or a shared storage such as redis://."
+        ) from None
+    app.extensions["petstore.memory_guard"] = guard
+
+
+def init_app(app: Flask) -> None:
+    """Attach the limiter: flask-limiter's storage, strategy and in-memory fallback."""
+    config = app.config
+    refuse_shared_memory_storage(app)
+    limiter = PlanLimiter(
+        # Unused: the pipeline says whose budget a request spends (count).
+        get_remote_address,
+        storage_uri=storages.storage_uri(config["RATELIMIT_STORAGE_URI"]),
+        storage_options=storage_options(config),
+        strategy=config["RATELIMIT_STRATEGY"],
+        in_memory_fallback_enabled=True,
+    )
+    limiter.init_app(app)
+    app.extensions["petstore.limiter"] = limiter
+    app.extensions["petstore.ip_limits"] = tuple(sorted(parse_many(config["IP_LIMITS"])))
+
+
+def storage_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Short socket timeouts for redis://, so a dead or silent Redis cannot hang a request."""
+    if config["RATELIMIT_STORAGE_URI"].startswith(("redis://", "rediss://")):
+        timeout = config["REDIS_TIMEOUT"]
+        return {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    return {}

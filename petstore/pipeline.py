@@ -1,0 +1,58 @@
+"""The request path, in order. create_app registers `before_view` and `after_view`; nothing else runs
+around a view.
+
+    identify → count → refuse banned → require a key → view → headers → log
+
+- identify (auth): the key of the request, or the 401 it will get; a database that cannot be
+  asked is a 503 right here, with no budget spent.
+- count (budgets): one request off the caller's budget (the key's, else the client address's);
+  429 when it is spent, with a strike against the key (bans).
+- refuse banned (bans): a banned key gets 429 api_key_banned and spends nothing.
+- require a key (auth): the 401 found by identify.
+- view: parses with a schema, runs one query function.
+- headers (budgets): X-RateLimit-* on every counted /v1 answer, errors included.
+- log (logs): the request id header and one JSON line.
+
+Paths outside /v1 (the health probes) only get the request id and the log line.
+"""
+
+from __future__ import annotations
+
+from flask import Flask, Response, g, request
+
+from petstore import auth, bans, budgets, logs, web
+from petstore.errors import DATABASE_UNAVAILABLE
+
+
+def before_view() -> None:
+    """Everything between the request's arrival and its view."""
+    logs.start_request()
+    if not web.in_api():
+        return
+    if request.method == "POST":
+        # Before a pooled connection is taken: a slow body holds a thread, never a connection.
+        web.read_body()
+    try:
+        caller, refusal = auth.identify_caller()
+    except DATABASE_UNAVAILABLE:
+        budgets.show_unspent()
+        raise
+    g.caller = caller  # for the view (idempotency records are per key) and the log line
+    if caller is None or caller["banned_until"] is None:
+        budgets.count(caller)
+    bans.refuse_banned(caller)
+    auth.require_caller(refusal)
+
+
+def after_view(response: Response) -> Response:
+    """Everything between the view's answer (or error) and the client."""
+    if web.in_api():
+        budgets.set_headers(response)
+    logs.finish_request(response)
+    return response
+
+
+def init_app(app: Flask) -> None:
+    """Register the request path: one hook before the view, one after."""
+    app.before_request(before_view)
+    app.after_request(after_view)
