@@ -41,6 +41,7 @@ def assert_unauthorized(response: object, challenge: str) -> None:
         pytest.param(f"bearer {UNKNOWN_KEY}", INVALID_TOKEN, id="lowercase-bearer-unknown-key"),
         pytest.param("Bearer '||'1'='1", INVALID_TOKEN, id="bearer-sql-ish"),
         pytest.param("Bearer " + "x" * 4000, INVALID_TOKEN, id="bearer-long-token"),
+        pytest.param("Bearer ps_" + "A" * 42 + "!", INVALID_TOKEN, id="bearer-not-a-token68"),
     ],
 )
 def test_request_without_a_valid_key_is_401(
@@ -63,6 +64,33 @@ def test_a_valid_key_under_another_scheme_is_401(client: FlaskClient, api_key: s
     response = client.get("/v1/pets", headers={"Authorization": f"Token {api_key}"})
 
     assert_unauthorized(response, REALM)
+
+
+@pytest.mark.parametrize(
+    "separator",
+    [
+        pytest.param("\xa0", id="no-break-space"),
+        pytest.param("\x85", id="next-line"),
+        pytest.param("\t", id="tab"),
+        pytest.param("", id="none"),
+    ],
+)
+def test_a_valid_key_after_anything_but_spaces_is_401(
+    client: FlaskClient, api_key: str, separator: str
+) -> None:
+    # RFC 6750: the scheme, one or more spaces, the token. Python's str.split() would also take
+    # Unicode whitespace as a separator.
+    response = client.get("/v1/pets", headers={"Authorization": f"Bearer{separator}{api_key}"})
+
+    assert_unauthorized(response, REALM)
+
+
+def test_several_spaces_after_the_scheme_are_one_separator(
+    client: FlaskClient, api_key: str
+) -> None:
+    response = client.get("/v1/pets", headers={"Authorization": f"Bearer   {api_key}"})
+
+    assert response.status_code == 200
 
 
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])

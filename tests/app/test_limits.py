@@ -289,3 +289,37 @@ def test_bans_list_and_lift(
     response = client.get("/v1/pets", headers=bearer(key))
     assert response.status_code == 429
     assert response.get_json()["code"] == "rate_limited"
+
+
+def test_ipv6_clients_without_a_key_share_the_budget_of_their_64(
+    make_app: Callable[..., Flask],
+) -> None:
+    client = make_app(IP_LIMITS="3/minute", PROXY_COUNT=1).test_client()
+    assert ip_budget_used(client, headers={"X-Forwarded-For": "2001:db8:0:1::1"}) == 1
+    assert ip_budget_used(client, headers={"X-Forwarded-For": "2001:db8:0:1:ffff::2"}) == 2
+    # Another /64 of the same /48 is another subscriber.
+    assert ip_budget_used(client, headers={"X-Forwarded-For": "2001:db8:0:2::1"}) == 1
+
+
+def test_database_trouble_is_503_for_a_valid_key_and_spends_no_budget(
+    make_app: Callable[..., Flask], issue_key: Callable[..., str]
+) -> None:
+    app = make_app(DB_POOL_SIZE=1, DB_POOL_TIMEOUT=0.01, IP_LIMITS="3/minute")
+    client = app.test_client()
+    key = issue_key("enterprise", per_minute=5, per_day=1000)
+    pool = app.extensions["petstore.pool"]
+    pool.wait()
+    held = pool.getconn()  # the pool's only connection: every key lookup times out
+    try:
+        for _ in range(10):  # twice the key's budget, three times the address's
+            response = client.get("/v1/pets", headers=bearer(key))
+            assert_error(response, 503, "service_unavailable")
+            assert int(response.headers["Retry-After"]) >= 1
+            # The address's budget as it stands, untouched.
+            assert numbers(response)[:2] == (3, 3)
+    finally:
+        pool.putconn(held)
+    response = client.get("/v1/pets", headers=bearer(key))
+    assert response.status_code == 200
+    assert numbers(response)[:2] == (5, 4)
+    assert ip_budget_used(client) == 1
