@@ -9,7 +9,7 @@ from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from petstore import auth, config, db, errors, limits, logs
-from petstore.views import docs, health, orders, pets
+from petstore.views import docs, health, orders, pets, root
 from petstore.web import API_PREFIX
 
 
@@ -41,6 +41,7 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
     app.before_request(auth.require_caller)
 
     app.register_blueprint(health.bp)
+    app.register_blueprint(root.bp)
     app.register_blueprint(pets.bp, url_prefix=API_PREFIX)
     app.register_blueprint(orders.bp, url_prefix=API_PREFIX)
     app.register_blueprint(docs.bp, url_prefix=API_PREFIX)
