@@ -30,13 +30,16 @@ def load() -> Flask:
         print(f"petstore: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(APP_LOAD_ERROR) from None
     logs.configure(settings["LOG_LEVEL"])
-    application = create_app()
+    # Before the pool opens, so that this line comes before the pool's own retries.
     check_database(settings)
-    return application
+    return create_app()
 
 
 def check_database(settings: dict[str, object]) -> None:
-    """Say once, clearly, when the database does not answer at start (the pool keeps retrying)."""
+    """Say once, clearly, when the database does not answer at start (the pool keeps retrying).
+
+    One connection attempt, bounded by PETSTORE_DB_CONNECT_TIMEOUT.
+    """
     try:
         with db.connect(dict(settings)) as conn:
             conn.execute("select 1")
