@@ -11,9 +11,36 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 from typing import Any
 
+from petstore import config as _config
+
 _env = os.environ.get
+
+
+def _refuse(message: str) -> None:
+    """One line naming the setting, then exit: before gunicorn binds, logs or boots anything."""
+    print(f"petstore: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def _count(name: str, default: int) -> int:
+    """A positive whole number from the environment variable `name`, else `default`."""
+    text = _env(name, "")
+    if text == "":
+        return default
+    if not text.isdigit() or int(text) < 1:
+        _refuse(f"{name}={text!r} is not valid: expected a whole number of at least 1")
+    return int(text)
+
+
+# The service's own settings (petstore.config) are checked here too, so that a bad one is one
+# line in the master rather than a traceback in every worker.
+try:
+    _config.check(_config.from_environ())
+except _config.ConfigError as _exc:
+    _refuse(str(_exc))
 
 # BIND: the address nginx proxies to; several, comma-separated, are allowed.
 bind = _env("BIND", "127.0.0.1:8000").split(",")
@@ -21,23 +48,21 @@ bind = _env("BIND", "127.0.0.1:8000").split(",")
 # WEB_CONCURRENCY: worker processes. memory:// counts in one process, so it gets one worker;
 # with a shared storage (redis://) the default is 2 per core.
 _shared_storage = not _env("RATELIMIT_STORAGE_URI", "memory://").startswith("memory://")
-workers = int(
-    _env("WEB_CONCURRENCY", str(2 * multiprocessing.cpu_count() if _shared_storage else 1))
-)
+workers = _count("WEB_CONCURRENCY", 2 * multiprocessing.cpu_count() if _shared_storage else 1)
 
 # PETSTORE_THREADS: threads per worker; each thread may hold one pooled connection, so the
 # pool is sized to match unless PETSTORE_DB_POOL_SIZE says otherwise.
 worker_class = "gthread"
-threads = int(_env("PETSTORE_THREADS", "4"))
+threads = _count("PETSTORE_THREADS", 4)
 os.environ.setdefault("PETSTORE_DB_POOL_SIZE", str(threads))
 
 # GUNICORN_TIMEOUT: a worker silent this long is killed and replaced. Requests themselves are
 # bounded far below it (pool wait, statement timeout, Redis timeout).
-timeout = int(_env("GUNICORN_TIMEOUT", "30"))
+timeout = _count("GUNICORN_TIMEOUT", 30)
 # GUNICORN_GRACEFUL_TIMEOUT: on SIGTERM, running requests get this long to finish.
-graceful_timeout = int(_env("GUNICORN_GRACEFUL_TIMEOUT", "20"))
+graceful_timeout = _count("GUNICORN_GRACEFUL_TIMEOUT", 20)
 # Behind nginx with upstream keepalive: keep idle connections a little longer than nginx does.
-keepalive = int(_env("GUNICORN_KEEPALIVE", "75"))
+keepalive = _count("GUNICORN_KEEPALIVE", 75)
 
 # The app writes one JSON line per request (petstore.logs); gunicorn's own access log is off and
 # its error log goes to stdout in the same JSON format.

@@ -9,7 +9,7 @@ from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from petstore import budgets, config, db, errors, pipeline
-from petstore.views import docs, health, orders, pets
+from petstore.views import docs, health, orders, pets, root
 from petstore.web import API_PREFIX
 
 
@@ -39,6 +39,7 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
     pipeline.init_app(app)
 
     app.register_blueprint(health.bp)
+    app.register_blueprint(root.bp)
     app.register_blueprint(pets.bp, url_prefix=API_PREFIX)
     app.register_blueprint(orders.bp, url_prefix=API_PREFIX)
     app.register_blueprint(docs.bp, url_prefix=API_PREFIX)

@@ -7,9 +7,12 @@ import email.utils
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
+import psycopg
 from limits import parse_many
 from limits.strategies import STRATEGIES
+from psycopg import conninfo
 
 
 class ConfigError(ValueError):
@@ -18,9 +21,12 @@ class ConfigError(ValueError):
 
 def _int(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        value = int(text)
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
         if value < minimum:
-            raise ValueError(f"must be at least {minimum}")
+            raise ValueError(f"expected a whole number of at least {minimum}")
         return value
 
     return parse
@@ -28,9 +34,12 @@ def _int(minimum: int) -> Callable[[str], int]:
 
 def _float(minimum: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
-        value = float(text)
-        if not value >= minimum:
-            raise ValueError(f"must be at least {minimum}")
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value >= minimum or value == float("inf"):
+            raise ValueError(f"expected a number of at least {minimum}")
         return value
 
     return parse
@@ -50,6 +59,67 @@ def _str(text: str) -> str:
     return text
 
 
+def _database_url(text: str) -> str:
+    """A libpq connection string: a postgresql:// URL or key=value pairs."""
+    try:
+        conninfo.conninfo_to_dict(text)
+    except psycopg.ProgrammingError:
+        raise ValueError(
+            "expected a libpq URL such as postgresql://user:password@host:5432/dbname"
+        ) from None
+    return text
+
+
+def _http_url(text: str) -> str:
+    """An absolute http(s) URL, for the servers of the OpenAPI document."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError("expected an absolute http:// or https:// URL such as https://host/v1")
+    return text
+
+
+# The storages of the limits library that a synchronous flask-limiter can use.
+STORAGE_SCHEMES = frozenset(
+    (
+        "memory",
+        "redis",
+        "rediss",
+        "redis+unix",
+        "redis+sentinel",
+        "redis+cluster",
+        "valkey",
+        "valkeys",
+        "valkey+unix",
+        "valkey+sentinel",
+        "valkey+cluster",
+        "memcached",
+        "mongodb",
+        "mongodb+srv",
+    )
+)
+
+
+def _storage_uri(text: str) -> str:
+    """A limits storage URI whose scheme a storage is registered for."""
+    scheme, separator, _rest = text.partition("://")
+    if not separator or scheme.removeprefix("petstore+") not in STORAGE_SCHEMES:
+        raise ValueError(
+            "expected memory:// or redis://host:port/db (also rediss://, redis+sentinel://, "
+            "redis+cluster://, memcached://, mongodb://)"
+        )
+    return text
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    """A logging level name, in any case."""
+    if text.upper() not in LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)} (any case)")
+    return text.upper()
+
+
 def _strategy(text: str) -> str:
     if text not in STRATEGIES:
         raise ValueError(f"expected one of {', '.join(sorted(STRATEGIES))}")
@@ -67,7 +137,7 @@ def _limits(text: str) -> str:
 
 # name in the environment -> (Flask config key, parser, default)
 SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
-    "DATABASE_URL": ("DATABASE_URL", _str, None),
+    "DATABASE_URL": ("DATABASE_URL", _database_url, None),
     "PETSTORE_DB_POOL_SIZE": ("DB_POOL_SIZE", _int(1), 4),
     "PETSTORE_DB_POOL_TIMEOUT": ("DB_POOL_TIMEOUT", _float(0.01), 2.0),
     "PETSTORE_DB_CONNECT_TIMEOUT": ("DB_CONNECT_TIMEOUT", _int(1), 3),
@@ -79,14 +149,17 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_DEPRECATED_AT": ("DEPRECATED_AT", _instant, calendar.timegm((2026, 11, 26, 0, 0, 0))),
     "PETSTORE_SUNSET": ("SUNSET", _instant, calendar.timegm((2030, 12, 5, 0, 0, 0))),
     "PETSTORE_PROXY_COUNT": ("PROXY_COUNT", _int(0), 0),
-    "PETSTORE_BASE_URL": ("PUBLIC_BASE_URL", _str, "http://127.0.0.1:8000/v1"),
-    "PETSTORE_STAGING_BASE_URL": ("STAGING_BASE_URL", _str, "http://127.0.0.1:8001/v1"),
-    "RATELIMIT_STORAGE_URI": ("RATELIMIT_STORAGE_URI", _str, "memory://"),
+    # Unset: the document names the server it was fetched from (petstore.views.docs).
+    "PETSTORE_BASE_URL": ("PUBLIC_BASE_URL", _http_url, None),
+    "PETSTORE_STAGING_BASE_URL": ("STAGING_BASE_URL", _http_url, "http://127.0.0.1:8001/v1"),
+    "RATELIMIT_STORAGE_URI": ("RATELIMIT_STORAGE_URI", _storage_uri, "memory://"),
     "PETSTORE_RATELIMIT_STRATEGY": ("RATELIMIT_STRATEGY", _strategy, "fixed-window"),
     "PETSTORE_IP_LIMITS": ("IP_LIMITS", _limits, "60/minute;1000/day"),
     "PETSTORE_BAN_THRESHOLD": ("BAN_THRESHOLD", _int(1), 10),
     "PETSTORE_BAN_SECONDS": ("BAN_SECONDS", _int(1), 900),
     "PETSTORE_REDIS_TIMEOUT": ("REDIS_TIMEOUT", _float(0.01), 0.25),
+    # Read by wsgi.py and deploy/gunicorn.conf.py for logging; checked here with the rest.
+    "PETSTORE_LOG_LEVEL": ("LOG_LEVEL", _log_level, "INFO"),
 }
 
 
@@ -102,7 +175,8 @@ def from_environ(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         try:
             config[key] = parse(text)
         except ValueError as exc:
-            raise ConfigError(f"{name}={text!r}: {exc}") from None
+            # One line, whatever the value holds, naming the setting and what it accepts.
+            raise ConfigError(f"{name}={text!r} is not valid: {exc}") from None
     return config
 
 
@@ -110,6 +184,7 @@ def check(config: Mapping[str, Any]) -> None:
     """Refuse to start with settings that cannot work."""
     if not config.get("DATABASE_URL"):
         raise ConfigError(
-            "DATABASE_URL is not set: give the libpq URL of the PostgreSQL server "
+            "DATABASE_URL is not set: expected the libpq URL of the PostgreSQL database, "
+            "such as postgresql://user:password@host:5432/dbname "
             "(or use `make run`, which starts an embedded one)"
         )

@@ -20,7 +20,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-__all__ = ["EmbeddedPostgresError", "ensure_running", "main", "stop", "url"]
+__all__ = [
+    "EmbeddedPostgresError",
+    "ensure_running",
+    "main",
+    "start_unless_running",
+    "stop",
+    "url",
+]
 
 # PostgreSQL refuses to run as root, so when we are root it runs as this system account.
 SERVICE_USER = "petstore-pg"
@@ -79,6 +86,14 @@ def url(datadir: Path, dbname: str = "postgres") -> str:
 
 def ensure_running(datadir: Path) -> str:
     """Initialise `datadir` if needed, start the server if it is not running, return its libpq URL."""
+    return start_unless_running(datadir)[0]
+
+
+def start_unless_running(datadir: Path) -> tuple[str, bool]:
+    """Like ensure_running(), and whether this call started the server (False: it was running).
+
+    A caller stops only a server it started: another may still be using one it found running.
+    """
     datadir = _absolute(datadir)
     account = _service_account()
     try:
@@ -91,10 +106,10 @@ def ensure_running(datadir: Path) -> str:
         if not _is_initialised(datadir):
             _initdb(datadir, account)
         elif _is_running(datadir, account):
-            return url(datadir)
+            return url(datadir), False
         _move_port_if_taken(datadir)
         _start(datadir, account)
-    return url(datadir)
+    return url(datadir), True
 
 
 def stop(datadir: Path) -> None:

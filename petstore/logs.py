@@ -1,4 +1,4 @@
-"""Request ids, one JSON log line per request, and the JSON log format."""
+"""Request ids, one JSON log line per request, and the JSON log format; every log line goes to stdout."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import re
+import sys
 import time
 import uuid
 from datetime import UTC, datetime
@@ -56,7 +57,7 @@ def timestamp(created: float) -> str:
 
 def configure(level: str = "INFO") -> None:
     """Send every log record to stdout as JSON (what wsgi.py and the gunicorn config use)."""
-    handler = logging.StreamHandler()
+    handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(JSONFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

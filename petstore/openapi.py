@@ -398,18 +398,28 @@ def idempotency_key_parameter() -> dict[str, Any]:
     }
 
 
-def build_document(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The OpenAPI document for an app with this configuration (servers from PUBLIC_BASE_URL, STAGING_BASE_URL)."""
+# The first server when neither PETSTORE_BASE_URL nor a request says otherwise: `make run`'s.
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+
+
+def servers(config: Mapping[str, Any], base_url: str | None = None) -> list[dict[str, str]]:
+    """PETSTORE_BASE_URL when set, else `base_url` (where the document was fetched from); staging after."""
+    if config.get("PUBLIC_BASE_URL"):
+        first = {"url": config["PUBLIC_BASE_URL"], "description": "Production"}
+    else:
+        first = {"url": base_url or DEFAULT_BASE_URL, "description": "This server"}
+    return [first, {"url": config["STAGING_BASE_URL"], "description": "Staging"}]
+
+
+def build_document(config: Mapping[str, Any], base_url: str | None = None) -> dict[str, Any]:
+    """The OpenAPI document for an app with this configuration, first server as servers() says."""
     spec = APISpec(
         title="Animal Store",
         version=API_VERSION,
         openapi_version=OPENAPI_VERSION,
         plugins=[MarshmallowPlugin()],
         info={"description": description()},
-        servers=[
-            {"url": config["PUBLIC_BASE_URL"], "description": "Production"},
-            {"url": config["STAGING_BASE_URL"], "description": "Staging"},
-        ],
+        servers=servers(config, base_url),
         security=[{SECURITY_SCHEME: []}],
         tags=[
             {"name": "pets", "description": "The animals of the catalogue."},

@@ -27,13 +27,16 @@ Cli = Callable[..., Result]
 
 
 @pytest.fixture
-def cli(database_url: str, conn: db.Connection) -> Cli:
-    """Run `petstore ARGS...` in-process against the (emptied) test database."""
+def cli(database_url: str, conn: db.Connection, tmp_path: Path) -> Cli:
+    """Run `petstore ARGS...` in-process against the (emptied) test database.
+
+    Its var/ is an empty directory of the test's: what a `make run` of this checkout recorded
+    must not count.
+    """
 
     def run(*args: str, env: dict[str, str | None] | None = None) -> Result:
-        return CliRunner().invoke(
-            main, list(args), env={"DATABASE_URL": database_url, **(env or {})}
-        )
+        environ = {"DATABASE_URL": database_url, "PETSTORE_VAR_DIR": str(tmp_path), **(env or {})}
+        return CliRunner().invoke(main, list(args), env=environ)
 
     return run
 
@@ -247,6 +250,44 @@ def test_without_database_url_the_cli_says_so(cli: Cli) -> None:
     assert result.exit_code == 1
     assert "DATABASE_URL" in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_beside_make_run_the_cli_uses_the_recorded_database_and_says_so(
+    cli: Cli, database_url: str, tmp_path: Path
+) -> None:
+    # What `make run` writes under var/ when it serves the embedded PostgreSQL.
+    (tmp_path / "database-url").write_text(database_url + "\n")
+    created_key(cli("keys", "create", "--plan", "pro", "--label", "beside"))
+
+    result = cli("keys", "list", env={"DATABASE_URL": None})
+
+    assert result.exit_code == 0, result.output
+    assert "beside" in result.stdout
+    assert result.stderr == (
+        f"DATABASE_URL is not set: using the embedded database of `make run`, {database_url} "
+        f"(from {tmp_path / 'database-url'})\n"
+    )
+
+
+def test_with_database_url_set_the_recorded_one_is_ignored(cli: Cli, tmp_path: Path) -> None:
+    (tmp_path / "database-url").write_text("postgresql://postgres@127.0.0.1:1/none\n")
+
+    result = cli("keys", "list")
+
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+
+
+def test_recorded_database_not_running_says_to_start_make_run(cli: Cli, tmp_path: Path) -> None:
+    (tmp_path / "database-url").write_text("postgresql://postgres@127.0.0.1:1/petstore\n")
+
+    result = cli("keys", "list", env={"DATABASE_URL": None})
+
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2  # which database, then why it failed
+    assert lines[1].startswith("Error: cannot connect to PostgreSQL: ")
+    assert lines[1].endswith("while `make run` serves: start it, or set DATABASE_URL")
 
 
 def test_unreachable_database_is_a_clear_error(cli: Cli) -> None:

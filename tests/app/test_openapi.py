@@ -239,21 +239,45 @@ def test_schemas_are_the_marshmallow_ones(document: dict[str, Any]) -> None:
     assert components["Pet"]["properties"]["status"]["enum"] == list(schemas.PET_STATUSES)
 
 
-def test_servers_from_configuration(make_app: Callable[..., Flask]) -> None:
-    default = make_app().test_client().get("/v1/openapi.json").get_json()
-    if not {"PETSTORE_BASE_URL", "PETSTORE_STAGING_BASE_URL"} & set(os.environ):
-        assert default["servers"] == [
-            {"url": "http://127.0.0.1:8000/v1", "description": "Production"},
-            {"url": "http://127.0.0.1:8001/v1", "description": "Staging"},
+def test_first_server_is_where_the_document_was_fetched_from(
+    make_app: Callable[..., Flask],
+) -> None:
+    app = make_app(PUBLIC_BASE_URL=None, STAGING_BASE_URL="https://staging.example.test/v1")
+    client = app.test_client()
+    for base in ("http://127.0.0.1:8000", "http://127.0.0.1:8123", "https://pets.example.test"):
+        document = client.get("/v1/openapi.json", base_url=base).get_json()
+        assert document["servers"] == [
+            {"url": f"{base}/v1", "description": "This server"},
+            {"url": "https://staging.example.test/v1", "description": "Staging"},
         ]
+
+
+def test_first_server_behind_a_proxy_is_the_address_the_client_used(
+    make_app: Callable[..., Flask],
+) -> None:
+    app = make_app(PUBLIC_BASE_URL=None, PROXY_COUNT=1)
+    headers = {
+        "X-Forwarded-For": "203.0.113.9",
+        "X-Forwarded-Proto": "https",
+        "X-Forwarded-Host": "api.example.test",
+    }
+    document = app.test_client().get("/v1/openapi.json", headers=headers).get_json()
+    assert document["servers"][0]["url"] == "https://api.example.test/v1"
+
+
+def test_configured_base_url_comes_first_whatever_the_request(
+    make_app: Callable[..., Flask],
+) -> None:
     app = make_app(
         PUBLIC_BASE_URL="https://api.example.test/v1",
         STAGING_BASE_URL="https://staging.example.test/v1",
     )
-    document = app.test_client().get("/v1/openapi.json").get_json()
-    assert [server["url"] for server in document["servers"]] == [
-        "https://api.example.test/v1",
-        "https://staging.example.test/v1",
+    document = (
+        app.test_client().get("/v1/openapi.json", base_url="http://127.0.0.1:8123").get_json()
+    )
+    assert document["servers"] == [
+        {"url": "https://api.example.test/v1", "description": "Production"},
+        {"url": "https://staging.example.test/v1", "description": "Staging"},
     ]
 
 
@@ -279,7 +303,8 @@ def test_petstore_openapi_prints_the_served_document(client: FlaskClient) -> Non
         [str(PETSTORE), "openapi"], env=environ, capture_output=True, text=True, timeout=60
     )
     assert printed.returncode == 0, printed.stderr
-    served = client.get("/v1/openapi.json").get_data(as_text=True)
+    # The page of `make run`'s address, which is what the command names without PETSTORE_BASE_URL.
+    served = client.get("/v1/openapi.json", base_url="http://127.0.0.1:8000").get_data(as_text=True)
     if not {"PETSTORE_BASE_URL", "PETSTORE_STAGING_BASE_URL"} & set(os.environ):
         assert printed.stdout == served
     assert json.loads(printed.stdout)["paths"] == json.loads(served)["paths"]
@@ -310,6 +335,13 @@ def test_docs_page_and_its_assets_need_no_key(client: FlaskClient) -> None:
         assert len(response.get_data()) > 500
         assert response.cache_control.max_age == 86400
         response.close()
+
+
+def test_docs_with_a_trailing_slash_redirects_to_the_page(client: FlaskClient) -> None:
+    response = client.get("/v1/docs/")
+    assert response.status_code == 308
+    assert response.headers["Location"] == "/v1/docs"
+    assert client.get("/v1/docs/", follow_redirects=True).status_code == 200
 
 
 @pytest.mark.parametrize("name", ["index.css", "swagger-ui.js", "LICENSE", "nothing.js"])

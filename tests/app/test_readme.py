@@ -29,3 +29,28 @@ def test_readme_shows_the_two_commands_first() -> None:
     text = README.read_text(encoding="utf-8")
     assert text.index("make run") < text.index("Configuration")
     assert text.index("make test") < text.index("Configuration")
+
+
+def test_readme_shows_the_install_script_exactly() -> None:
+    """The deployment section's literal block is deploy/install.sh, line for line."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    script = (README.parent / "deploy" / "install.sh").read_text(encoding="utf-8").splitlines()
+    start = lines.index("    " + script[0])
+    shown = [line.removeprefix("    ") for line in lines[start : start + len(script)]]
+    assert shown == script
+
+
+def test_readme_layout_names_every_module() -> None:
+    """Each module of the package, by its path or by its name on its folder's line."""
+    text = README.read_text(encoding="utf-8")
+    layout = text[text.index("\nLayout\n") :]
+    package = README.parent / "petstore"
+    missing = []
+    for path in sorted(package.glob("**/*.py")):
+        module = path.relative_to(README.parent).as_posix()
+        folder = f"{path.parent.relative_to(README.parent).as_posix()}/"
+        if path.name == "__init__.py" and path.parent != package:
+            continue
+        if module not in layout and not (folder in layout and path.name in layout):
+            missing.append(module)
+    assert not missing

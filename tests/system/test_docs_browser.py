@@ -27,8 +27,14 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
     """Headless chromium with a fresh profile and no network of its own; quit after the test."""
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        pytest.skip("no /usr/bin/chromium and /usr/bin/chromedriver: run .ci/install-browser")
+    # Debian ships them in two packages, so either may be missing alone: name the one that is.
+    missing = [
+        f"{path} (Debian package {package})"
+        for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver"))
+        if not path.exists()
+    ]
+    if missing:
+        pytest.skip(f"missing {' and '.join(missing)}: run .ci/install-browser")
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
     for flag in (
@@ -91,6 +97,13 @@ def test_docs_page_renders_every_operation(
             f"the operations did not render within {RENDER_TIMEOUT} s; page saved under {tmp_path}; "
             f"gunicorn log:\n{server.log()}"
         )
+
+    # "Try it out" calls the server the page came from, whatever its port.
+    servers = [
+        option.get_attribute("value")
+        for option in browser.find_elements(By.CSS_SELECTOR, ".servers select option")
+    ]
+    assert servers[:1] == [f"{server.url}/v1"], servers
 
     page = browser.find_element(By.ID, "swagger-ui").text
     assert "Animal Store" in page

@@ -1,0 +1,24 @@
+"""GET /: nothing lives there; a 404 in the Error shape that says where the API and its docs are."""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response
+
+from petstore.auth import public
+from petstore.errors import error_response
+
+bp = Blueprint("root", __name__)
+
+MESSAGE = (
+    "Nothing is served at /. The API lives under /v1: its documentation is at /v1/docs, "
+    "its OpenAPI document at /v1/openapi.json."
+)
+# RFC 8631 link relations, for clients that follow links rather than read messages.
+LINKS = '</v1/docs>; rel="service-doc", </v1/openapi.json>; rel="service-desc"'
+
+
+@bp.get("/")
+@public
+def root() -> Response:
+    """A 404 pointing to /v1/docs and /v1/openapi.json."""
+    return error_response(404, "not_found", MESSAGE, {"Link": LINKS})
