@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from flask import Response, current_app, json, request
+from gunicorn.http.errors import ParseException
 from marshmallow import Schema, ValidationError
 from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
 
@@ -26,15 +27,34 @@ def json_response(body: str, status: int = 200, headers: dict[str, str] | None =
     )
 
 
+# What reading a body the client framed wrongly raises: gunicorn's parse errors (a chunk size of
+# "zz" or "-1", a size line too long, no CRLF after a chunk's data) and OSError (werkzeug's own
+# chunked reader; a body that ends early). gunicorn closes the connection after the answer.
+MALFORMED_BODY = (ParseException, OSError)
+
+
 def request_body() -> bytes:
-    """The request body; 413 when it is longer than MAX_CONTENT_LENGTH, chunked bodies included."""
-    data = request.get_data(cache=False)
-    cap = request.max_content_length
-    # Without a Content-Length (chunked), werkzeug stops reading at the cap without complaint:
-    # a byte left unread means the body was longer.
-    if request.content_length is None and cap is not None and len(data) >= cap:
-        if request.input_stream.read(1):
-            raise RequestEntityTooLarge()
+    """The request body; 413 when it is longer than MAX_CONTENT_LENGTH, chunked bodies included.
+
+    400 when its framing is broken, before anything is stored.
+    """
+    # gunicorn takes "gzip, chunked" for chunked and hands on the bytes undecoded; nginx refuses
+    # any coding but chunked. Refuse it here too, so that both layers agree.
+    coding = request.headers.get("Transfer-Encoding")
+    if coding is not None and coding.strip().lower() != "chunked":
+        raise APIError(400, "The Transfer-Encoding of the request is not supported.")
+    try:
+        data = request.get_data(cache=False)
+        cap = request.max_content_length
+        # Without a Content-Length (chunked), werkzeug stops reading at the cap without
+        # complaint: a byte left unread means the body was longer.
+        if request.content_length is None and cap is not None and len(data) >= cap:
+            if request.input_stream.read(1):
+                raise RequestEntityTooLarge()
+    except MALFORMED_BODY:
+        raise APIError(
+            400, "The request body is malformed: its chunked encoding is broken or it ended early."
+        ) from None
     return data
 
 

@@ -334,8 +334,8 @@ def raw_request(port: int, data: bytes) -> tuple[int, dict[str, str], Any]:
         (b"GET /v1/pets?" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "uri_too_long"),
         (
             b"GET /v1/pets HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
-            400,
-            "invalid_request",
+            431,
+            "headers_too_large",
         ),
         (b"NONSENSE\r\n\r\n", 400, "invalid_request"),
         (b"GET /_nginx/503 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 404, "not_found"),
