@@ -27,10 +27,11 @@ def json_response(body: str, status: int = 200, headers: dict[str, str] | None =
     )
 
 
-# What reading a body the client framed wrongly raises: gunicorn's parse errors (a chunk size of
-# "zz" or "-1", a size line too long, no CRLF after a chunk's data) and OSError (werkzeug's own
-# chunked reader; a body that ends early). gunicorn closes the connection after the answer.
-MALFORMED_BODY = (ParseException, OSError)
+# What reading a body the client framed wrongly raises through werkzeug's stream: gunicorn's
+# parse errors (a chunk size of "zz" or "-1", a size line too long, no CRLF after a chunk's data).
+# An OSError (a body that ended early) werkzeug turns into its own 400. gunicorn closes the
+# connection after the answer: where the next request would start is unknown.
+MALFORMED_BODY = ParseException
 
 
 def request_body() -> bytes:
