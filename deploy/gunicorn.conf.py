@@ -57,6 +57,8 @@ limit_request_fields = 100
 # gunicorn's own reading of X-Forwarded-Proto/-Ssl/-Protocol from a loopback peer would let a
 # client's header set the scheme, or refuse a request whose headers disagree (400).
 secure_scheme_headers: dict[str, str] = {}
+# Nor may a SCRIPT_NAME or PATH_INFO header move the app (nginx sets neither).
+forwarder_headers = ""
 
 # The app writes one JSON line per request (petstore.logs); gunicorn's own access log is off and
 # its error log goes to stdout in the same JSON format.

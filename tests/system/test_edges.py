@@ -158,6 +158,15 @@ def test_a_client_scheme_header_breaks_no_request(layer: str, key: str, header: 
     assert answer.status == 200, answer
 
 
+@pytest.mark.parametrize("header", [b"SCRIPT_NAME: /v1", b"PATH_INFO: /v1/store/orders"])
+def test_a_client_cannot_move_the_app_with_wsgi_headers(
+    layer: str, key: str, header: bytes
+) -> None:
+    """gunicorn takes SCRIPT_NAME and PATH_INFO headers from a loopback peer unless told not to."""
+    answer = raw(layer, head("GET /v1/pets HTTP/1.1", key, header))
+    assert answer.status == 200 and answer.body == [], answer
+
+
 class RecordingServer(SilentServer):
     """An upstream that records each request head and answers 200 with an empty JSON object."""
 
