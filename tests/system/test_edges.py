@@ -322,3 +322,23 @@ def test_a_refused_post_is_logged_as_a_post(deployment: Deployment, key: str) ->
     request_id = answer.headers["x-request-id"]
     entry = deployment.nginx.logged([request_id])[request_id]
     assert (entry["method"], entry["uri"], entry["status"]) == ("POST", "/v1/pets", 413), entry
+
+
+def test_a_body_too_slow_gets_no_answer_rather_than_html(deployment: Deployment, key: str) -> None:
+    """nginx's 408 (client_body_timeout, 10 s) sends nothing: the connection closes, no page at all."""
+    request_id = "slow-body-408"
+    request = head(
+        "POST /v1/pets HTTP/1.1",
+        key,
+        b"Content-Type: application/json",
+        b"Content-Length: 100",
+        f"X-Request-ID: {request_id}".encode(),
+    )
+    with socket.create_connection((LOOPBACK, deployment.nginx.port), timeout=30) as sock:
+        sock.sendall(request + b"{")
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received == b""
+    entry = deployment.nginx.logged([request_id])[request_id]
+    assert (entry["method"], entry["status"], entry["upstream"]) == ("POST", 408, ""), entry
