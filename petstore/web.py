@@ -54,7 +54,7 @@ def request_body() -> bytes:
                 raise RequestEntityTooLarge()
     except MALFORMED_BODY:
         raise APIError(
-            400, "The request body is malformed: its chunked encoding is broken or it ended early."
+            400, "The request body is malformed: its chunked encoding is broken."
         ) from None
     return data
 
