@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from petstore import config as _config
+from petstore import overrides
 
 _env = os.environ.get
 
@@ -42,6 +43,10 @@ try:
 except _config.ConfigError as _exc:
     _refuse(str(_exc))
 
+# gunicorn's refusals (a request it cannot parse) are the Error JSON, not its HTML page. Set here,
+# in the master, so that every worker inherits it.
+overrides.use_json_refusals()
+
 # BIND: the address nginx proxies to; several, comma-separated, are allowed.
 bind = _env("BIND", "127.0.0.1:8000").split(",")
 
@@ -63,6 +68,21 @@ timeout = _count("GUNICORN_TIMEOUT", 30)
 graceful_timeout = _count("GUNICORN_GRACEFUL_TIMEOUT", 20)
 # Behind nginx with upstream keepalive: keep idle connections a little longer than nginx does.
 keepalive = _count("GUNICORN_KEEPALIVE", 75)
+
+# Request head limits, the same as nginx's (large_client_header_buffers 4 8k in
+# deploy/nginx/petstore.conf), so that the same request is refused the same way by either:
+# a request line over 8190 bytes is a 414, a header line over 8190 bytes or more than 100
+# header fields a 431 (nginx has no count of its own; it adds 3 or 4 fields when it forwards).
+limit_request_line = 8190
+limit_request_field_size = 8190
+limit_request_fields = 100
+
+# Which proxy headers to believe is the app's decision alone (PETSTORE_PROXY_COUNT, ProxyFix).
+# gunicorn's own reading of X-Forwarded-Proto/-Ssl/-Protocol from a loopback peer would let a
+# client's header set the scheme, or refuse a request whose headers disagree (400).
+secure_scheme_headers: dict[str, str] = {}
+# Nor may a SCRIPT_NAME or PATH_INFO header move the app (nginx sets neither).
+forwarder_headers = ""
 
 # The app writes one JSON line per request (petstore.logs); gunicorn's own access log is off and
 # its error log goes to stdout in the same JSON format.

@@ -1,4 +1,4 @@
-"""Where the service leans on a library's internals. Re-check each of these on every upgrade.
+"""Every use of a library's internals, in one module. Re-check each of these on every upgrade.
 
 tests/app/test_overrides.py fails loudly when one of them is gone or has changed shape.
 
@@ -13,16 +13,27 @@ features this service does not use (decorated, per-route and meta limits). Inter
 - `Limiter._storage_dead`, `_limiter`, `_fallback_limiter`, `_in_memory_fallback_enabled`:
   the switch to the in-memory fallback when the storage fails, and back when it answers.
 
+gunicorn: when it cannot parse a request (a request line, a header, a chunked body it refuses),
+its worker's ``handle_error`` answers through ``gunicorn.util.write_error``, which writes an HTML
+page. ``use_json_refusals()`` puts ``write_error_json`` in its place, so those refusals are the
+Error JSON like every other answer, whatever the worker class. deploy/gunicorn.conf.py calls it.
+
 The limiter storages (petstore.storages) subclass the `limits` storages.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import json
 import logging
 import time
+import uuid
+from http import HTTPStatus
 from typing import Any
 
+import gunicorn.util
+import gunicorn.workers.base
 from flask import Flask
 from flask_limiter import Limiter
 from limits import RateLimitItem
@@ -121,3 +132,90 @@ def detach_hooks(app: Flask, limiter: Limiter) -> None:
     for hooks in registries:
         for name, functions in hooks.items():
             hooks[name] = [hook for hook in functions if not ours(hook)]
+
+
+# What gunicorn refuses with (Worker.handle_error) -> what the client gets: the same codes and
+# messages as nginx's own refusals (deploy/nginx/petstore.conf), so both layers answer alike.
+# 501 is gunicorn's answer to an unknown Transfer-Encoding: the client's mistake, never a 5xx.
+REFUSALS: dict[int, tuple[int, str, str]] = {
+    400: (400, "invalid_request", "The request is malformed."),
+    403: (403, "forbidden", "The request is forbidden."),
+    414: (414, "uri_too_long", "The request URI is longer than the service accepts."),
+    417: (417, "expectation_failed", "The service meets no expectation but 100-continue."),
+    431: (
+        431,
+        "headers_too_large",
+        "The request has more header fields, or longer ones, than the service accepts.",
+    ),
+    500: (500, "internal_error", "The service failed to handle the request."),
+    501: (400, "invalid_request", "The Transfer-Encoding of the request is not supported."),
+}
+
+# gunicorn's own function, and the signature ours must keep: handle_error calls it positionally.
+GUNICORN_WRITE_ERROR = gunicorn.util.write_error
+WRITE_ERROR_PARAMETERS = ["sock", "status_int", "reason", "mesg"]
+WRITE_ERROR_CALL = "util.write_error(client, status_int, reason, mesg)"
+
+
+class InternalsChanged(RuntimeError):
+    """The library no longer looks the way an override here relies on: stop, do not guess."""
+
+
+def refusal(status_int: int) -> tuple[int, str, str]:
+    """(status, code, message) the client gets for a refusal gunicorn makes with `status_int`."""
+    if status_int in REFUSALS:
+        return REFUSALS[status_int]
+    if 400 <= status_int < 500:
+        return status_int, "invalid_request", "The request is malformed."
+    return REFUSALS[500]
+
+
+def error_bytes(status_int: int) -> bytes:
+    """A whole HTTP/1.1 answer with the Error JSON: what write_error_json sends."""
+    status, code, message = refusal(status_int)
+    body = json.dumps({"code": code, "message": message, "status": status}).encode()
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+        "Connection: close\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        # Like nginx's $request_id: no request was parsed to carry the client's own.
+        f"X-Request-ID: {uuid.uuid4().hex}\r\n"
+        "\r\n"
+    )
+    return head.encode("latin-1") + body
+
+
+def write_error_json(sock: Any, status_int: int, reason: str, mesg: str) -> None:
+    """gunicorn.util.write_error with the Error JSON for a body; `reason` and `mesg` are not sent.
+
+    gunicorn's message quotes the client's bytes back; its own log line keeps it
+    ("Invalid request from ip=...").
+    """
+    gunicorn.util.write_nonblock(sock, error_bytes(status_int))
+
+
+def check_gunicorn() -> None:
+    """Raise InternalsChanged unless gunicorn still answers refusals through util.write_error."""
+    parameters = list(inspect.signature(GUNICORN_WRITE_ERROR).parameters)
+    if parameters != WRITE_ERROR_PARAMETERS:
+        raise InternalsChanged(
+            f"gunicorn.util.write_error takes {parameters}, not {WRITE_ERROR_PARAMETERS}: "
+            "review petstore/overrides.py against this gunicorn"
+        )
+    source = inspect.getsource(gunicorn.workers.base.Worker.handle_error)
+    if WRITE_ERROR_CALL not in source:
+        raise InternalsChanged(
+            f"gunicorn's Worker.handle_error no longer calls {WRITE_ERROR_CALL}: "
+            "review petstore/overrides.py against this gunicorn"
+        )
+
+
+def use_json_refusals() -> None:
+    """Make gunicorn write the Error JSON where it wrote its HTML error page; idempotent.
+
+    Called in the master (deploy/gunicorn.conf.py) before the workers fork, so every worker,
+    of any worker class, inherits it.
+    """
+    check_gunicorn()
+    gunicorn.util.write_error = write_error_json

@@ -7,6 +7,7 @@ from types import MappingProxyType
 from typing import Any
 
 from flask import Response, current_app, g, json, request
+from gunicorn.http.errors import ParseException
 from marshmallow import Schema, ValidationError
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, UnsupportedMediaType
 
@@ -30,6 +31,13 @@ def json_response(body: str, status: int = 200, headers: dict[str, str] | None =
     )
 
 
+# What reading a body the client framed wrongly raises through werkzeug's stream: gunicorn's
+# parse errors (a chunk size of "zz" or "-1", a size line too long, no CRLF after a chunk's data).
+# An OSError (a body that ended early) werkzeug turns into its own 400. gunicorn closes the
+# connection after the answer: where the next request would start is unknown.
+MALFORMED_BODY = ParseException
+
+
 def read_body() -> None:
     """Read the body now (capped); request_body answers with it, or raises what reading raised."""
     try:
@@ -39,7 +47,10 @@ def read_body() -> None:
 
 
 def request_body() -> bytes:
-    """The request body; 413 when it is longer than MAX_CONTENT_LENGTH, chunked bodies included."""
+    """The request body; 413 when it is longer than MAX_CONTENT_LENGTH, chunked bodies included.
+
+    400 when its framing is broken, before anything is stored.
+    """
     body = g.get("body")
     if body is None:
         return capped_body()
@@ -50,14 +61,25 @@ def request_body() -> bytes:
 
 
 def capped_body() -> bytes:
-    """Read the body from the client; 413 when it is longer than MAX_CONTENT_LENGTH."""
-    data = request.get_data(cache=False)
-    cap = request.max_content_length
-    # Without a Content-Length (chunked), werkzeug stops reading at the cap without complaint:
-    # a byte left unread means the body was longer.
-    if request.content_length is None and cap is not None and len(data) >= cap:
-        if request.input_stream.read(1):
-            raise RequestEntityTooLarge()
+    """Read the body from the client: 413 when it is longer than MAX_CONTENT_LENGTH, 400 when
+    its framing is broken."""
+    # gunicorn takes "gzip, chunked" for chunked and hands on the bytes undecoded; nginx refuses
+    # any coding but chunked. Refuse it here too, so that both layers agree.
+    coding = request.headers.get("Transfer-Encoding")
+    if coding is not None and coding.strip().lower() != "chunked":
+        raise APIError(400, "The Transfer-Encoding of the request is not supported.")
+    try:
+        data = request.get_data(cache=False)
+        cap = request.max_content_length
+        # Without a Content-Length (chunked), werkzeug stops reading at the cap without
+        # complaint: a byte left unread means the body was longer.
+        if request.content_length is None and cap is not None and len(data) >= cap:
+            if request.input_stream.read(1):
+                raise RequestEntityTooLarge()
+    except MALFORMED_BODY:
+        raise APIError(
+            400, "The request body is malformed: its chunked encoding is broken."
+        ) from None
     return data
 
 

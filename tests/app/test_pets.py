@@ -544,7 +544,7 @@ def test_wrong_method_is_405_json_with_allow(
     allow = {name.strip() for name in response.headers["Allow"].split(",")}
     assert allowed <= allow
     assert method not in allow
-    assert allow <= {"GET", "HEAD", "OPTIONS", "POST"}
+    assert allow <= {"GET", "HEAD", "POST"}
 
 
 def test_unexpected_failure_is_500_without_details(

@@ -380,3 +380,41 @@ def call(
         parsed = raw.decode("utf-8", errors="replace")
     received = {name.lower(): value for name, value in response.getheaders()}
     return Answer(method, path, response.status, parsed, received, elapsed, started, raw)
+
+
+def raw(base_url: str, data: bytes, timeout: float = 10.0) -> Answer:
+    """Send bytes exactly as they are (no client library to tidy them up); the answer, read to EOF.
+
+    For requests no HTTP client would send: malformed lines, odd headers, broken chunked bodies.
+    Send `Connection: close` (or a request the server refuses, which closes) so that EOF comes.
+    """
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(data)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    elapsed = time.monotonic() - started
+    head, _, body = received.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    try:
+        parsed: Any = json.loads(body) if body else None
+    except ValueError:
+        parsed = body.decode("utf-8", errors="replace")
+    method, _, rest = data.partition(b" ")
+    path = rest.partition(b" ")[0]
+    return Answer(
+        method.decode("latin-1"),
+        path.decode("latin-1"),
+        int(status_line.split()[1]),
+        parsed,
+        headers,
+        elapsed,
+        started,
+        received,
+    )

@@ -1,0 +1,88 @@
+"""deploy/: nginx's error pages are well-formed Error JSON, and nginx and gunicorn share their limits and words."""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+from pathlib import Path
+from typing import Any
+
+import gunicorn.util
+import pytest
+
+from petstore import errors, overrides
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SITE = (DEPLOY / "nginx" / "petstore.conf").read_text(encoding="utf-8")
+ERROR_PAGE = re.compile(r"^\s*error_page\s+([\d ]+?)\s+(?:=(\d+)\s+)?(/_nginx/\w+);", re.M)
+PAGE = re.compile(r"location = (/_nginx/\w+) \{[^}]*?return (\d+) '([^']*)\\n';", re.S)
+# Every status nginx itself can answer with in front of the app (README.rst, "Deploying behind
+# nginx"): request-line and header errors, TRACE, body and URI too large, heads too large, TLS
+# errors, an unknown transfer coding, HTTP/2+ on the wire as text, its own failures, no upstream.
+NGINX_STATUSES = {400, 405, 413, 414, 494, 495, 496, 497, 500, 501, 502, 503, 504, 505}
+
+
+def error_pages() -> dict[int, tuple[int | None, str]]:
+    """status -> (the status it is answered with if `=N` says, the page's URI)."""
+    pages: dict[int, tuple[int | None, str]] = {}
+    for statuses, override, uri in ERROR_PAGE.findall(SITE):
+        for status in statuses.split():
+            pages[int(status)] = (int(override) if override else None, uri)
+    return pages
+
+
+def page_bodies() -> dict[str, tuple[int, dict[str, Any]]]:
+    """page URI -> (the status its `return` answers, its JSON body)."""
+    return {uri: (int(status), json.loads(body)) for uri, status, body in PAGE.findall(SITE)}
+
+
+def test_every_status_nginx_makes_has_a_json_page() -> None:
+    assert set(error_pages()) == NGINX_STATUSES
+
+
+@pytest.mark.parametrize("status", sorted(NGINX_STATUSES))
+def test_each_page_is_the_error_json_of_the_status_it_answers(status: int) -> None:
+    override, uri = error_pages()[status]
+    returned, body = page_bodies()[uri]
+    assert set(body) == {"code", "message", "status"}
+    assert body["status"] == returned
+    # A client's mistake is never a 5xx; nginx's 5xx of its own are 500 and 503 only.
+    assert returned < 500 or returned in (500, 503)
+    if override is not None:
+        assert override == returned
+    else:
+        assert status == returned
+
+
+@pytest.mark.parametrize(
+    ("page", "gunicorn_status"),
+    [("400", 400), ("414", 414), ("431", 431), ("500", 500), ("501", 501)],
+)
+def test_nginx_and_gunicorn_use_the_same_words(page: str, gunicorn_status: int) -> None:
+    """A refusal reads the same whichever layer makes it."""
+    returned, body = page_bodies()[f"/_nginx/{page}"]
+    assert (returned, body["code"], body["message"]) == overrides.REFUSALS[gunicorn_status]
+
+
+@pytest.mark.parametrize("status", [405, 413])
+def test_nginx_and_the_app_use_the_same_words(status: int) -> None:
+    assert page_bodies()[f"/_nginx/{status}"][1]["message"] == errors.MESSAGES[status]
+
+
+def test_nginx_and_gunicorn_share_the_head_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nginx's header buffer (8 KB, with CRLF) holds exactly what gunicorn's limits let in."""
+    # Loading the config calls use_json_refusals(): keep gunicorn's own write_error afterwards.
+    monkeypatch.setattr(gunicorn.util, "write_error", gunicorn.util.write_error)
+    monkeypatch.setenv("PETSTORE_DB_POOL_SIZE", "4")
+    # The config checks every setting first; this one only needs to be there.
+    monkeypatch.setenv("DATABASE_URL", "postgresql://petstore@127.0.0.1/petstore")
+    settings = runpy.run_path(str(DEPLOY / "gunicorn.conf.py"))
+    buffers = re.search(r"large_client_header_buffers (\d+) (\d+)k;", SITE)
+    assert buffers, "no large_client_header_buffers in petstore.conf"
+    line_bytes = int(buffers.group(2)) * 1024 - len("\r\n")
+    assert settings["limit_request_line"] == line_bytes
+    assert settings["limit_request_field_size"] == line_bytes
+    assert settings["limit_request_fields"] == 100
+    assert settings["secure_scheme_headers"] == {}
+    assert settings["forwarder_headers"] == ""
