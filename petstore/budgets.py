@@ -4,6 +4,7 @@ the X-RateLimit-* header policy."""
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import os
 import socket
@@ -20,6 +21,8 @@ from petstore.config import ConfigError
 from petstore.errors import APIError
 from petstore.overrides import PlanLimiter
 from petstore.plans import Limits, key_limits
+
+log = logging.getLogger(__name__)
 
 # flask-limiter's scope of an application-wide limit: part of every storage key.
 SCOPE = "global"
@@ -57,10 +60,10 @@ def count(caller: Mapping[str, Any] | None) -> None:
     who, limits = budget_of(caller)
     prefix = current_app.config["RATELIMIT_STRATEGY"]
     limiter.forget_counts()
+    shown: tuple[int, int, int] | None = None
     for limit in limits:
-        if not limiter.hit(limit, prefix, who, SCOPE):
-            window = limiter.window(limit, prefix, who, SCOPE)
-            reset = window.reset_time if window else time.time() + limit.get_expiry()
+        allowed, remaining, reset = limiter.count(limit, prefix, who, SCOPE)
+        if not allowed:
             g.rate_limit_headers = (limit.amount, 0, math.ceil(reset))
             if caller is not None:
                 bans.strike(limiter, caller, limit)
@@ -70,7 +73,9 @@ def count(caller: Mapping[str, Any] | None) -> None:
                 "rate_limited",
                 headers={"Retry-After": str(bans.seconds_until(reset))},
             )
-    g.rate_limit_headers = standing(limiter, prefix, who, limits)
+        if shown is None or remaining < shown[1]:
+            shown = (limit.amount, remaining, math.ceil(reset))
+    g.rate_limit_headers = shown
 
 
 def show_unspent() -> None:
@@ -96,18 +101,18 @@ def budget_of(caller: Mapping[str, Any] | None) -> tuple[str, Limits]:
 def standing(
     limiter: PlanLimiter, prefix: str, who: str, limits: Limits
 ) -> tuple[int, int, int] | None:
-    """(limit, remaining, reset) of the limit nearest to running out; None if unreadable."""
+    """(limit, remaining, reset) of the limit nearest to running out, counting nothing."""
     shown: tuple[int, int, int] | None = None
-    for limit in limits:
-        window = limiter.window(limit, prefix, who, SCOPE)
-        if window is None:
-            # The storage failed between counting and reporting: answer without the headers.
-            return None
-        reset = window.reset_time
-        if window.remaining == limit.amount:  # nothing counted in this window yet
+    try:
+        windows = [limiter.limiter.get_window_stats(limit, prefix, who, SCOPE) for limit in limits]
+    except Exception:
+        log.exception("cannot read the rate limit windows")
+        return None
+    for limit, (reset, remaining) in zip(limits, windows, strict=True):
+        if remaining == limit.amount:  # nothing counted in this window yet
             reset = time.time() + limit.get_expiry()
-        if shown is None or window.remaining < shown[1]:
-            shown = (limit.amount, window.remaining, math.ceil(reset))
+        if shown is None or remaining < shown[1]:
+            shown = (limit.amount, remaining, math.ceil(reset))
     return shown
 
 

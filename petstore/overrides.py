@@ -4,7 +4,7 @@ tests/app/test_overrides.py fails loudly when one of them is gone or has changed
 
 flask-limiter: it stays the limiter (its storage, strategy and in-memory fallback, from the
 RATELIMIT_* settings), but the request pipeline drives it: one count per request, by
-`PlanLimiter.hit`, instead of flask-limiter's own hooks. Its per-request limit resolution,
+`PlanLimiter.count`, instead of flask-limiter's own hooks. Its per-request limit resolution,
 exemption scopes and header reads cost about as much CPU as the rest of a request, for
 features this service does not use (decorated, per-route and meta limits). Internals used:
 
@@ -37,8 +37,7 @@ import gunicorn.workers.base
 from flask import Flask
 from flask_limiter import Limiter
 from limits import RateLimitItem
-from limits.strategies import RateLimiter
-from limits.util import WindowStats
+from limits.strategies import FixedWindowRateLimiter, RateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ STORAGE_RECHECK_SECONDS = 1.0
 
 
 class PlanLimiter(Limiter):
-    """flask-limiter with no hooks of its own: the pipeline counts each request once through `hit`."""
+    """flask-limiter with no hooks of its own: the pipeline counts each request once through `count`."""
 
     next_storage_check = 0.0
 
@@ -55,16 +54,19 @@ class PlanLimiter(Limiter):
         super().init_app(app)
         detach_hooks(app, self)
 
-    def hit(self, item: RateLimitItem, *identifiers: str) -> bool:
-        """Count one request against `item`; False when that spends more than it allows.
+    def count(self, item: RateLimitItem, *identifiers: str) -> tuple[bool, int, float]:
+        """Count one request against `item`: (within the limit, remaining, reset time).
 
-        A storage that fails sends this and every later count to the in-memory fallback, until
-        the storage answers its check again (at most one check per STORAGE_RECHECK_SECONDS).
+        The fixed window, the default strategy, is counted with one increment of its storage key
+        and its expiry read back (no round trip on our storages); the other strategies through
+        their `hit` and `get_window_stats`. A storage that fails sends this and every later count
+        to the in-memory fallback, until the storage answers its check again (at most one check
+        per STORAGE_RECHECK_SECONDS).
         """
         if self._storage_dead:
             self.recheck_storage()
         try:
-            return self.limiter.hit(item, *identifiers)
+            return count_with(self.limiter, item, identifiers)
         except Exception:
             if not self._in_memory_fallback_enabled:
                 raise
@@ -72,15 +74,7 @@ class PlanLimiter(Limiter):
                 log.warning("Rate limit storage unreachable - falling back to in-memory storage")
                 self._storage_dead = True
                 self.next_storage_check = time.monotonic() + STORAGE_RECHECK_SECONDS
-            return self.fallback.hit(item, *identifiers)
-
-    def window(self, item: RateLimitItem, *identifiers: str) -> WindowStats | None:
-        """(reset time, remaining) of `item` after this request's count; None if unreadable."""
-        try:
-            return self.limiter.get_window_stats(item, *identifiers)
-        except Exception:
-            log.exception("cannot read the rate limit window")
-            return None
+            return count_with(self.fallback, item, identifiers)
 
     def forget_counts(self) -> None:
         """Let the storage drop what it remembered of this thread's last request (redis://)."""
@@ -113,6 +107,19 @@ class PlanLimiter(Limiter):
         if alive:
             log.info("Rate limit storage recovered")
             self._storage_dead = False
+
+
+def count_with(
+    strategy: RateLimiter, item: RateLimitItem, identifiers: tuple[str, ...]
+) -> tuple[bool, int, float]:
+    """(within the limit, remaining, reset time) after counting one request with `strategy`."""
+    if type(strategy) is FixedWindowRateLimiter:
+        key = item.key_for(*identifiers)
+        count = strategy.storage.incr(key, item.get_expiry())
+        return count <= item.amount, max(0, item.amount - count), strategy.storage.get_expiry(key)
+    allowed = strategy.hit(item, *identifiers)
+    reset, remaining = strategy.get_window_stats(item, *identifiers)
+    return allowed, remaining, reset
 
 
 def detach_hooks(app: Flask, limiter: Limiter) -> None:

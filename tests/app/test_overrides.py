@@ -79,12 +79,12 @@ def test_a_failing_storage_counts_in_memory_until_it_answers_again() -> None:
 
     storage.incr = down  # type: ignore[method-assign]
     storage.check = lambda: False  # type: ignore[method-assign]
-    assert limiter.hit(item, "k") and limiter.hit(item, "k")
-    assert not limiter.hit(item, "k"), "the fallback counts"
+    assert limiter.count(item, "k")[0] and limiter.count(item, "k")[0]
+    assert not limiter.count(item, "k")[0], "the fallback counts"
     assert limiter.storage_dead
     storage.incr, storage.check = real_incr, real_check  # type: ignore[method-assign]
     limiter.next_storage_check = 0.0
-    assert limiter.hit(item, "k")
+    assert limiter.count(item, "k")[0]
     assert not limiter.storage_dead, "back on the storage once it answers"
 
 
