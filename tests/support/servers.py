@@ -94,6 +94,8 @@ class ServerProcess(Service):
     stop_signal = signal.SIGTERM
     log_mode = "wb"
     poll_interval = 0.1
+    # A network namespace (`ip netns`) to run the program in; None: this machine's own network.
+    netns: str | None = None
 
     def __init__(self, log_path: Path, *, start_timeout: float, stop_timeout: float) -> None:
         self.log_path = log_path
@@ -117,6 +119,9 @@ class ServerProcess(Service):
     ) -> None:
         """Run `command` with its output in the log, then wait_healthy(); stop it if that fails."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.netns is not None:
+            # `ip netns exec` execs the program: the pid and process group stay the program's.
+            command = ["ip", "netns", "exec", self.netns, *command]
         with self.log_path.open(self.log_mode) as log:
             # A session of its own, so that the whole process group can be killed at the end.
             self.process = subprocess.Popen(
@@ -409,9 +414,9 @@ def replace_line(text: str, old: str, new: str) -> str:
 class PgBouncer(ServerProcess):
     """Debian's `pgbouncer` with the shipped deploy/pgbouncer.ini on a free loopback port, before `target_url`.
 
-    Only the addresses, the socket directory and the authentication (trust, as the test
-    server's) differ from the shipped file. stop() is an immediate shutdown (SIGTERM), which
-    cuts every client; start() again is a restart on the same port.
+    Only the addresses (loopback and `also_listen`), the socket directory and the
+    authentication (trust, as the test server's) differ from the shipped file. stop() is an
+    immediate shutdown (SIGTERM), which cuts every client; start() again is a restart on the same port.
     """
 
     name = "pgbouncer"
@@ -424,6 +429,7 @@ class PgBouncer(ServerProcess):
         target_url: str,
         *,
         dbname: str = "petstore",
+        also_listen: Sequence[str] = (),
         start_timeout: float = 10.0,
         stop_timeout: float = 10.0,
     ) -> None:
@@ -433,10 +439,11 @@ class PgBouncer(ServerProcess):
         self.workdir = workdir
         self.target_url = target_url
         self.dbname = dbname
+        self.also_listen = list(also_listen)
 
-    def url(self, user: str = "postgres") -> str:
-        """The libpq URL of the pooled database, through this PgBouncer."""
-        return f"postgresql://{user}@{LOOPBACK}:{self.port}/{self.dbname}"
+    def url(self, user: str = "postgres", host: str = LOOPBACK) -> str:
+        """The libpq URL of the pooled database, through this PgBouncer (at `host`, one it listens on)."""
+        return f"postgresql://{user}@{host}:{self.port}/{self.dbname}"
 
     def write_config(self) -> Path:
         """deploy/pgbouncer.ini with this test's addresses and trust authentication."""
@@ -449,6 +456,11 @@ class PgBouncer(ServerProcess):
             "petstore = host=127.0.0.1 port=5432 dbname=petstore",
             f"{self.dbname} = host={target.get('host', LOOPBACK)} "
             f"port={target.get('port', 5432)} dbname={target['dbname']}",
+        )
+        text = replace_line(
+            text,
+            "listen_addr = 127.0.0.1",
+            f"listen_addr = {','.join([LOOPBACK, *self.also_listen])}",
         )
         text = replace_line(text, "listen_port = 6432", f"listen_port = {self.port}")
         text = replace_line(text, "unix_socket_dir = /var/run/postgresql", "unix_socket_dir =")

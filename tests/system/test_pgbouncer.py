@@ -15,10 +15,8 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -27,13 +25,13 @@ import redis
 from conftest import TEST_REDIS_URL
 from petstore import auth, config, db
 from support.databases import empty_database
-from support.nginx import Answer, call
+from support.load import MixedLoad
+from support.nginx import call
 from support.servers import ROOT, Gunicorn, PgBouncer, poll_until
 
 STATEMENT_TIMEOUT_MS = 1000
 POOL_TIMEOUT = 1.0
 CONNECT_TIMEOUT = 1
-CLIENTS = 16
 REQUESTS = 3000
 HTTP_TIMEOUT = 15.0
 # A pooler that is down is noticed by a pool wait plus a connection attempt; slack for the rest.
@@ -160,79 +158,6 @@ def test_a_timeout_other_than_the_pinned_one_is_refused(pooled: Pooled) -> None:
         assert "statement_timeout behind the pooler is" in app.log_path.read_text()
 
 
-class MixedLoad:
-    """`clients` threads sending `total` requests: creates (Idempotency-Key, retried on 503), lists, gets."""
-
-    def __init__(self, base_url: str, key: str, label: str) -> None:
-        self.base_url = base_url
-        self.key = key
-        self.label = label
-        self.answers: list[Answer] = []
-        self.failures: list[str] = []
-        self.created: list[int] = []
-        self.lock = threading.Lock()
-
-    def send(self, method: str, path: str, **extra: Any) -> Answer | None:
-        headers = bearer(self.key, **extra.pop("headers", {}))
-        try:
-            answer = call(
-                self.base_url, method, path, headers=headers, timeout=HTTP_TIMEOUT, **extra
-            )
-        except OSError as exc:
-            with self.lock:
-                self.failures.append(f"{method} {path}: {exc!r}")
-            time.sleep(0.2)
-            return None
-        with self.lock:
-            self.answers.append(answer)
-        if answer.status == 503:
-            time.sleep(0.2)
-        return answer
-
-    def create(self, name: str) -> None:
-        """Create a pet; on a 503 or no answer, again with the same Idempotency-Key (bounded)."""
-        headers = {"Idempotency-Key": uuid.uuid4().hex}
-        body = {"name": name, "categoryId": 3, "status": "available"}
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            answer = self.send("POST", "/v1/pets", headers=headers, json_body=body)
-            if answer is not None and answer.status == 201:
-                with self.lock:
-                    self.created.append(answer.body["id"])
-                return
-            if answer is not None and answer.status != 503:
-                return
-
-    def request(self, number: int) -> None:
-        step = number % 3
-        if step == 0 or not self.created:
-            self.create(f"{self.label}-{number}")
-        elif step == 1:
-            self.send("GET", "/v1/pets?limit=20")
-        else:
-            self.send("GET", f"/v1/pets/{self.created[number % len(self.created)]}")
-
-    def run(self, total: int, stop: threading.Event | None = None) -> None:
-        """`total` requests (or until `stop` is set) from CLIENTS threads."""
-
-        def client(start: int) -> None:
-            for number in range(start, total, CLIENTS):
-                if stop is not None and stop.is_set():
-                    return
-                self.request(number)
-
-        with ThreadPoolExecutor(max_workers=CLIENTS) as executor:
-            list(executor.map(client, range(CLIENTS)))
-
-    def rows(self, pooled: Pooled) -> Counter[str]:
-        """The stored pets of this load by name."""
-        with pooled.direct() as conn:
-            rows = conn.execute(
-                "select name from pets where name like %s", [f"{self.label}-%"]
-            ).fetchall()
-        return Counter(row["name"] for row in rows)
-
-
 def test_mixed_concurrent_load_through_the_pooler(pooled: Pooled) -> None:
     """16 clients, 3,000 mixed requests: no 5xx, and exactly one row per 201."""
     key = issue(pooled)
@@ -240,7 +165,7 @@ def test_mixed_concurrent_load_through_the_pooler(pooled: Pooled) -> None:
         load = MixedLoad(app.url, key, "load")
         load.run(REQUESTS)
     statuses = Counter(answer.status for answer in load.answers)
-    rows = load.rows(pooled)
+    rows = load.rows(pooled.direct)
     print(
         f"\nPgBouncer load: {len(load.answers)} requests, statuses {dict(statuses)}, "
         f"201s {statuses[201]}, rows {sum(rows.values())}, no answer {len(load.failures)}"
@@ -301,7 +226,7 @@ def test_pgbouncer_restart_under_load(pooled: Pooled) -> None:
             stop.set()
             runner.join(timeout=60)
     statuses = Counter(answer.status for answer in load.answers)
-    rows = load.rows(pooled)
+    rows = load.rows(pooled.direct)
     slowest = max(answer.elapsed for answer in load.answers)
     print(
         f"\nPgBouncer restart: {len(load.answers)} requests, statuses {dict(statuses)}, "
