@@ -441,8 +441,14 @@ class PgBouncer(ServerProcess):
         self.dbname = dbname
         self.also_listen = list(also_listen)
 
-    def url(self, user: str = "postgres", host: str = LOOPBACK) -> str:
-        """The libpq URL of the pooled database, through this PgBouncer (at `host`, one it listens on)."""
+    def url(self, host: str = LOOPBACK) -> str:
+        """The libpq URL of the pooled database, through this PgBouncer (at `host`, one it listens on).
+
+        The user is the target URL's: PgBouncer logs in to PostgreSQL as its client's user.
+        """
+        from psycopg import conninfo
+
+        user = conninfo.conninfo_to_dict(self.target_url).get("user", "postgres")
         return f"postgresql://{user}@{host}:{self.port}/{self.dbname}"
 
     def write_config(self) -> Path:
@@ -466,7 +472,8 @@ class PgBouncer(ServerProcess):
         text = replace_line(text, "unix_socket_dir = /var/run/postgresql", "unix_socket_dir =")
         text = replace_line(text, "auth_type = scram-sha-256", "auth_type = trust")
         userlist = self.workdir / "userlist.txt"
-        userlist.write_text('"postgres" ""\n', encoding="utf-8")
+        # trust still wants the user in the auth file: the target's (the clients connect as it).
+        userlist.write_text(f'"{target.get("user", "postgres")}" ""\n', encoding="utf-8")
         text = replace_line(
             text, "auth_file = /etc/pgbouncer/userlist.txt", f"auth_file = {userlist}"
         )
