@@ -171,8 +171,14 @@ def init_app(app: Flask) -> None:
 
 
 def storage_options(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Short socket timeouts for redis://, so a dead or silent Redis cannot hang a request."""
-    if config["RATELIMIT_STORAGE_URI"].startswith(("redis://", "rediss://")):
-        timeout = config["REDIS_TIMEOUT"]
-        return {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    """Short socket timeouts for Redis, so a dead or silent Redis cannot hang a request."""
+    uri = config["RATELIMIT_STORAGE_URI"]
+    timeout = config["REDIS_TIMEOUT"]
+    timeouts = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    if uri.startswith(("redis://", "rediss://", "redis+cluster://")):
+        return timeouts
+    if uri.startswith("redis+sentinel://"):
+        # The same bounds for asking the sentinels; counts are read on the master only, since
+        # a replica lags behind it.
+        return {**timeouts, "sentinel_kwargs": dict(timeouts), "use_replicas": False}
     return {}

@@ -97,9 +97,28 @@ def db_group() -> None:
 
 @db_group.command("upgrade")
 def db_upgrade() -> None:
-    """Apply the migrations not yet applied (safe to run concurrently)."""
-    with database() as conn:
+    """Apply the migrations not yet applied (safe to run concurrently).
+
+    Connects to PETSTORE_MIGRATION_DATABASE_URL when set (required behind a transaction pooler,
+    whose connections cannot hold the migrations' session lock), else to DATABASE_URL.
+    """
+    settings = load_settings()
+    pooled = db.behind_transaction_pooler(settings)
+    direct_url = settings["MIGRATION_DATABASE_URL"]
+    if pooled and not direct_url:
+        raise click.ClickException(
+            "PETSTORE_DB_POOLER=transaction: set PETSTORE_MIGRATION_DATABASE_URL to a direct "
+            "URL of PostgreSQL (not the pooler) for migrations"
+        )
+    direct = {
+        **settings,
+        "DATABASE_URL": direct_url or settings["DATABASE_URL"],
+        "DB_POOLER": "none",
+    }
+    with database(direct) as conn:
         applied = db.upgrade(conn)
+        if pooled:
+            db.pin_statement_timeout(conn, settings["DB_STATEMENT_TIMEOUT_MS"])
     click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
 
 

@@ -126,6 +126,12 @@ def _strategy(text: str) -> str:
     return text
 
 
+def _pooler(text: str) -> str:
+    if text not in POOLERS:
+        raise ValueError(f"expected one of {', '.join(POOLERS)}")
+    return text
+
+
 def _limits(text: str) -> str:
     """A flask-limiter limit string such as '60/minute;1000/day'."""
     try:
@@ -135,6 +141,10 @@ def _limits(text: str) -> str:
     return text
 
 
+# What sits between the service and PostgreSQL: nothing, or a pooler in transaction mode
+# (PgBouncer's pool_mode = transaction), where no session state may be relied on.
+POOLERS = ("none", "transaction")
+
 # name in the environment -> (Flask config key, parser, default)
 SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "DATABASE_URL": ("DATABASE_URL", _database_url, None),
@@ -142,6 +152,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_DB_POOL_TIMEOUT": ("DB_POOL_TIMEOUT", _float(0.01), 2.0),
     "PETSTORE_DB_CONNECT_TIMEOUT": ("DB_CONNECT_TIMEOUT", _int(1), 3),
     "PETSTORE_DB_STATEMENT_TIMEOUT_MS": ("DB_STATEMENT_TIMEOUT_MS", _int(1), 5000),
+    "PETSTORE_DB_POOLER": ("DB_POOLER", _pooler, "none"),
+    "PETSTORE_MIGRATION_DATABASE_URL": ("MIGRATION_DATABASE_URL", _str, None),
     "PETSTORE_DB_RECONNECT_TIMEOUT": ("DB_RECONNECT_TIMEOUT", _float(0.1), 5.0),
     "PETSTORE_RETRY_AFTER": ("RETRY_AFTER", _int(1), 2),
     "PETSTORE_READY_TIMEOUT": ("READY_TIMEOUT", _float(0.05), 1.0),

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from flask import Flask, current_app, g
+from psycopg import sql
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import ConnectionPool
 
@@ -24,15 +25,75 @@ MIGRATION_LOCK = 0x7065_7473_746F_7265 >> 1  # "petstore", kept inside bigint
 MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
 
+def behind_transaction_pooler(config: Mapping[str, Any]) -> bool:
+    """Whether DATABASE_URL is a pooler in transaction mode (PETSTORE_DB_POOLER=transaction)."""
+    return bool(config.get("DB_POOLER", "none") == "transaction")
+
+
 def connection_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
     """libpq and psycopg options every connection of the service uses."""
-    return {
+    kwargs: dict[str, Any] = {
         "autocommit": True,
         "row_factory": dict_row,
         "connect_timeout": config["DB_CONNECT_TIMEOUT"],
         "application_name": "petstore",
-        "options": f"-c statement_timeout={config['DB_STATEMENT_TIMEOUT_MS']}",
     }
+    if behind_transaction_pooler(config):
+        # Each transaction may run on another server connection: a statement prepared on one
+        # is missing on the next, or another statement's of the same name runs with our
+        # parameters. No server-side prepared statements, then. PgBouncer refuses the
+        # `options` startup parameter; the timeout is the database's instead (pin_statement_timeout).
+        kwargs["prepare_threshold"] = None
+    else:
+        kwargs["options"] = f"-c statement_timeout={config['DB_STATEMENT_TIMEOUT_MS']}"
+    return kwargs
+
+
+class StatementTimeoutNotPinned(psycopg.OperationalError):
+    """Behind a transaction pooler, the server's statement_timeout is not the configured one."""
+
+
+def statement_timeout_check(config: Mapping[str, Any]) -> Callable[[Connection], None] | None:
+    """The pool's check of each new connection behind a transaction pooler; None without one.
+
+    Behind the pooler the timeout cannot travel with the connection: it is the database's
+    default (`petstore db upgrade` pins it). A connection whose server has another value is
+    refused, so that requests get 503 and the log says why, rather than running unbounded.
+    """
+    if not behind_transaction_pooler(config):
+        return None
+    expected = int(config["DB_STATEMENT_TIMEOUT_MS"])
+
+    def check(conn: Connection) -> None:
+        row = conn.execute(
+            "select setting from pg_settings where name = 'statement_timeout'"
+        ).fetchone()
+        actual = int(row["setting"]) if row else 0
+        if actual != expected:
+            message = (
+                f"statement_timeout behind the pooler is {actual} ms, expected {expected} ms "
+                "(PETSTORE_DB_STATEMENT_TIMEOUT_MS): run `petstore db upgrade` with "
+                "PETSTORE_MIGRATION_DATABASE_URL, then RECONNECT in the PgBouncer console"
+            )
+            log.error("%s", message)
+            raise StatementTimeoutNotPinned(message)
+
+    return check
+
+
+def pin_statement_timeout(conn: Connection, milliseconds: int) -> None:
+    """Make `milliseconds` the statement_timeout of every new session of this database.
+
+    For a transaction pooler, whose server connections carry no per-client settings.
+    Sessions that set their own (the migrations, the direct `options`) keep theirs.
+    """
+    dbname = conn.execute("select current_database() as name").fetchone()
+    assert dbname is not None
+    conn.execute(
+        sql.SQL("alter database {} set statement_timeout = {}").format(
+            sql.Identifier(dbname["name"]), sql.Literal(milliseconds)
+        )
+    )
 
 
 def open_pool(config: Mapping[str, Any], name: str = "petstore") -> ConnectionPool[Connection]:
@@ -47,6 +108,7 @@ def open_pool(config: Mapping[str, Any], name: str = "petstore") -> ConnectionPo
         max_size=config["DB_POOL_SIZE"],
         timeout=config["DB_POOL_TIMEOUT"],
         reconnect_timeout=config["DB_RECONNECT_TIMEOUT"],
+        configure=statement_timeout_check(config),
         name=name,
         open=False,
     )
@@ -125,7 +187,11 @@ def migrations() -> list[tuple[str, str]]:
 
 
 def upgrade(conn: Connection) -> list[str]:
-    """Apply the migrations not yet applied, each in its own transaction; return their names."""
+    """Apply the migrations not yet applied, each in its own transaction; return their names.
+
+    It holds a session-level advisory lock: `conn` must be a direct connection to PostgreSQL,
+    never one through a transaction pooler (PETSTORE_MIGRATION_DATABASE_URL).
+    """
     applied_now = []
     # Waiting for another upgrade, or building an index on a big table, may take longer than
     # the service's statement timeout: migrations have none.

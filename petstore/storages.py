@@ -18,7 +18,12 @@ import threading
 import time
 from typing import Any
 
-from limits.storage import MemoryStorage, RedisStorage
+from limits.storage import (
+    MemoryStorage,
+    RedisClusterStorage,
+    RedisSentinelStorage,
+    RedisStorage,
+)
 
 # INCRBY, set the expiry on a new window, and return the count with the window's time to live.
 INCR_EXPIRE_TTL = b"""
@@ -34,8 +39,10 @@ SWEEP_SECONDS = 60.0
 
 
 def storage_uri(configured: str) -> str:
-    """The URI flask-limiter gets for RATELIMIT_STORAGE_URI: ours for redis and memory."""
-    if configured.startswith(("redis://", "rediss://", "memory://")):
+    """The URI flask-limiter gets for RATELIMIT_STORAGE_URI: ours for redis, Sentinel, Cluster and memory."""
+    if configured.startswith(
+        ("redis://", "rediss://", "memory://", "redis+sentinel://", "redis+cluster://")
+    ):
         return SCHEME_PREFIX + configured
     return configured
 
@@ -109,3 +116,20 @@ class SweepingMemoryStorage(MemoryStorage):
                 self.storage.pop(key, None)
                 self.expirations.pop(key, None)
                 self.locks.pop(key, None)
+
+
+class CountingSentinelStorage(CountingRedisStorage, RedisSentinelStorage):
+    """redis+sentinel://: the same one-call count and expiry, on the master Sentinel names.
+
+    The master's client asks the sentinels again on every new connection, so after a failover
+    the counting goes on at the promoted replica without a restart; the script is loaded
+    there on first use.
+    """
+
+    STORAGE_SCHEME = ["petstore+redis+sentinel"]
+
+
+class CountingClusterStorage(CountingRedisStorage, RedisClusterStorage):
+    """redis+cluster://: the same one-call count and expiry; the script touches one key, so one slot."""
+
+    STORAGE_SCHEME = ["petstore+redis+cluster"]

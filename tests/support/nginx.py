@@ -100,6 +100,8 @@ class Nginx(ServerProcess):
         prefix: Path,
         *,
         workers: int = 2,
+        host: str = LOOPBACK,
+        netns: str | None = None,
         start_timeout: float = 10.0,
         stop_timeout: float = 10.0,
     ) -> None:
@@ -109,7 +111,10 @@ class Nginx(ServerProcess):
         self.upstreams = list(upstreams)
         self.prefix = prefix
         self.workers = workers
-        self.url = f"http://{LOOPBACK}:{self.port}"
+        # Another host (a network namespace of the test's) listens on its own address.
+        self.host = host
+        self.netns = netns
+        self.url = f"http://{host}:{self.port}"
         self.access_log_path = prefix / "access.log"
         self.error_log_path = self.log_path
 
@@ -118,7 +123,7 @@ class Nginx(ServerProcess):
         (self.prefix / "temp").mkdir(parents=True, exist_ok=True)
         site = self.prefix / "petstore.conf"
         site.write_text(
-            render_site(self.upstreams, f"{LOOPBACK}:{self.port}", self.access_log_path),
+            render_site(self.upstreams, f"{self.host}:{self.port}", self.access_log_path),
             encoding="utf-8",
         )
         main = self.prefix / "nginx.conf"
@@ -141,9 +146,10 @@ class Nginx(ServerProcess):
     def start(self) -> None:
         """Check the config with `nginx -t`, start nginx in the foreground, wait (bounded) for its port."""
         main = self.write_config()
-        check = subprocess.run(
-            self.command(main, "-t"), capture_output=True, text=True, timeout=self.start_timeout
-        )
+        test = self.command(main, "-t")
+        if self.netns is not None:  # `nginx -t` binds the listen address too
+            test = ["ip", "netns", "exec", self.netns, *test]
+        check = subprocess.run(test, capture_output=True, text=True, timeout=self.start_timeout)
         if check.returncode != 0:
             raise ServerFailed(f"nginx -t refused the rendered config:\n{check.stderr}")
         self.launch(self.command(main, "-g", "daemon off;"))
@@ -151,7 +157,7 @@ class Nginx(ServerProcess):
     def answers(self) -> bool:
         """Whether its port takes connections right now."""
         try:
-            socket.create_connection((LOOPBACK, self.port), timeout=1).close()
+            socket.create_connection((self.host, self.port), timeout=1).close()
         except OSError:
             return False
         return True

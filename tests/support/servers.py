@@ -94,6 +94,8 @@ class ServerProcess(Service):
     stop_signal = signal.SIGTERM
     log_mode = "wb"
     poll_interval = 0.1
+    # A network namespace (`ip netns`) to run the program in; None: this machine's own network.
+    netns: str | None = None
 
     def __init__(self, log_path: Path, *, start_timeout: float, stop_timeout: float) -> None:
         self.log_path = log_path
@@ -117,6 +119,9 @@ class ServerProcess(Service):
     ) -> None:
         """Run `command` with its output in the log, then wait_healthy(); stop it if that fails."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.netns is not None:
+            # `ip netns exec` execs the program: the pid and process group stay the program's.
+            command = ["ip", "netns", "exec", self.netns, *command]
         with self.log_path.open(self.log_mode) as log:
             # A session of its own, so that the whole process group can be killed at the end.
             self.process = subprocess.Popen(
@@ -391,3 +396,242 @@ class SilentServer(Service):
         for connection in self.accepted:
             connection.close()
         self.accepted.clear()
+
+
+PGBOUNCER_INI = ROOT / "deploy" / "pgbouncer.ini"
+
+
+def replace_line(text: str, old: str, new: str) -> str:
+    """`text` with its one line `old` replaced by `new`; an error if the line is not there exactly once."""
+    lines = text.splitlines()
+    found = [number for number, line in enumerate(lines) if line.strip() == old]
+    if len(found) != 1:
+        raise ValueError(f"{old!r} is in the text {len(found)} times, expected once")
+    lines[found[0]] = new
+    return "\n".join(lines) + "\n"
+
+
+class PgBouncer(ServerProcess):
+    """Debian's `pgbouncer` with the shipped deploy/pgbouncer.ini on a free loopback port, before `target_url`.
+
+    Only the addresses (loopback and `also_listen`), the socket directory and the
+    authentication (trust, as the test server's) differ from the shipped file. stop() is an
+    immediate shutdown (SIGTERM), which cuts every client; start() again is a restart on the same port.
+    """
+
+    name = "pgbouncer"
+    ready = "accept connections"
+    log_mode = "ab"
+
+    def __init__(
+        self,
+        workdir: Path,
+        target_url: str,
+        *,
+        dbname: str = "petstore",
+        also_listen: Sequence[str] = (),
+        start_timeout: float = 10.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        super().__init__(
+            workdir / "pgbouncer.log", start_timeout=start_timeout, stop_timeout=stop_timeout
+        )
+        self.workdir = workdir
+        self.target_url = target_url
+        self.dbname = dbname
+        self.also_listen = list(also_listen)
+
+    def url(self, host: str = LOOPBACK) -> str:
+        """The libpq URL of the pooled database, through this PgBouncer (at `host`, one it listens on).
+
+        The user is the target URL's: PgBouncer logs in to PostgreSQL as its client's user.
+        """
+        from psycopg import conninfo
+
+        user = conninfo.conninfo_to_dict(self.target_url).get("user", "postgres")
+        return f"postgresql://{user}@{host}:{self.port}/{self.dbname}"
+
+    def write_config(self) -> Path:
+        """deploy/pgbouncer.ini with this test's addresses and trust authentication."""
+        from psycopg import conninfo
+
+        target = conninfo.conninfo_to_dict(self.target_url)
+        text = PGBOUNCER_INI.read_text(encoding="utf-8")
+        text = replace_line(
+            text,
+            "petstore = host=127.0.0.1 port=5432 dbname=petstore",
+            f"{self.dbname} = host={target.get('host', LOOPBACK)} "
+            f"port={target.get('port', 5432)} dbname={target['dbname']}",
+        )
+        text = replace_line(
+            text,
+            "listen_addr = 127.0.0.1",
+            f"listen_addr = {','.join([LOOPBACK, *self.also_listen])}",
+        )
+        text = replace_line(text, "listen_port = 6432", f"listen_port = {self.port}")
+        text = replace_line(text, "unix_socket_dir = /var/run/postgresql", "unix_socket_dir =")
+        text = replace_line(text, "auth_type = scram-sha-256", "auth_type = trust")
+        userlist = self.workdir / "userlist.txt"
+        # trust still wants the user in the auth file: the target's (the clients connect as it).
+        userlist.write_text(f'"{target.get("user", "postgres")}" ""\n', encoding="utf-8")
+        text = replace_line(
+            text, "auth_file = /etc/pgbouncer/userlist.txt", f"auth_file = {userlist}"
+        )
+        path = self.workdir / "pgbouncer.ini"
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    def command(self, ini: Path) -> list[str]:
+        """In the foreground, logging to the log file; as postgres when run as root (it refuses root)."""
+        user = ["--user", "postgres"] if os.geteuid() == 0 else []
+        return ["pgbouncer", *user, str(ini)]
+
+    def start(self) -> None:
+        """Start pgbouncer and wait (bounded) until it accepts connections; raise with its log otherwise."""
+        assert self.process is None, "pgbouncer is running already"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        ini = self.write_config()
+        if os.geteuid() == 0:
+            # It reads its files after taking the postgres identity.
+            for path in (self.workdir, ini, self.workdir / "userlist.txt"):
+                os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        self.launch(self.command(ini), cwd=self.workdir)
+
+    def answers(self) -> bool:
+        """Whether it accepts TCP connections right now."""
+        try:
+            with socket.create_connection((LOOPBACK, self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+
+def redis_command(port: int, *command: str, timeout: float = 2.0) -> str:
+    """`redis-cli -p port command...` against a loopback server; its output (empty on failure)."""
+    try:
+        done = subprocess.run(
+            ["redis-cli", "-h", LOOPBACK, "-p", str(port), *command],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def redis_fields(text: str) -> dict[str, str]:
+    """The `name:value` lines of INFO, or the name/value line pairs of SENTINEL MASTER, as a dict."""
+    if ":" in text.split("\n", 1)[0] or text.startswith("#"):
+        pairs = (line.split(":", 1) for line in text.splitlines() if ":" in line)
+        return {name: value.strip() for name, value in pairs}
+    lines = text.splitlines()
+    return dict(zip(lines[::2], lines[1::2], strict=False))
+
+
+class RedisReplica(RedisServer):
+    """A `redis-server` replicating the master on `master_port`, as a context manager."""
+
+    name = "redis-server (replica)"
+
+    def __init__(self, workdir: Path, master_port: int, **timeouts: float) -> None:
+        super().__init__(workdir, **timeouts)
+        self.master_port = master_port
+
+    def command(self) -> list[str]:
+        """RedisServer's command line, plus replicaof the master."""
+        return [*super().command(), "--replicaof", LOOPBACK, str(self.master_port)]
+
+
+class RedisSentinel(RedisServer):
+    """A `redis-sentinel` watching the master on `master_port` as `service` (quorum 2), as a context manager.
+
+    Fast timings for tests: a master that does not answer for `down_after_ms` is down.
+    """
+
+    name = "redis-sentinel"
+
+    def __init__(
+        self,
+        workdir: Path,
+        master_port: int,
+        *,
+        service: str = "petstore",
+        down_after_ms: int = 1000,
+        **timeouts: float,
+    ) -> None:
+        super().__init__(workdir, **timeouts)
+        self.log_path = workdir / "sentinel.log"
+        self.master_port = master_port
+        self.service = service
+        self.down_after_ms = down_after_ms
+
+    def command(self) -> list[str]:
+        """redis-sentinel with a config file of its own (Sentinel rewrites it)."""
+        conf = self.workdir / "sentinel.conf"
+        conf.write_text(
+            f"port {self.port}\n"
+            f"bind {LOOPBACK}\n"
+            "daemonize no\n"
+            f"dir {self.workdir}\n"
+            f"sentinel monitor {self.service} {LOOPBACK} {self.master_port} 2\n"
+            f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {self.service} 10000\n"
+            f"sentinel parallel-syncs {self.service} 1\n",
+            encoding="utf-8",
+        )
+        return ["redis-sentinel", str(conf)]
+
+    def start(self) -> None:
+        """Start it and wait (bounded) until it answers PING."""
+        assert self.process is None, "redis-sentinel is running already"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.launch(self.command(), cwd=self.workdir)
+
+    def master(self) -> dict[str, str]:
+        """What this sentinel knows of the master (SENTINEL MASTER), empty when it does not answer."""
+        return redis_fields(redis_command(self.port, "SENTINEL", "MASTER", self.service))
+
+    def master_port_now(self) -> int | None:
+        """The port of the master this sentinel names right now."""
+        lines = redis_command(
+            self.port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service
+        ).split()
+        return int(lines[1]) if len(lines) == 2 else None
+
+
+class RedisClusterNode(RedisServer):
+    """A `redis-server --cluster-enabled yes` on a free loopback port, as a context manager.
+
+    Its cluster bus is on port + 10000, so the port is chosen until that one is free too.
+    """
+
+    name = "redis-server (cluster node)"
+
+    def __init__(self, workdir: Path, **timeouts: float) -> None:
+        super().__init__(workdir, **timeouts)
+        while not self.bus_port_free():
+            self.port = free_port()
+
+    def bus_port_free(self) -> bool:
+        """Whether port + 10000 is free on loopback."""
+        if self.port + 10000 > 65535:
+            return False
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((LOOPBACK, self.port + 10000))
+            except OSError:
+                return False
+        return True
+
+    def command(self) -> list[str]:
+        """RedisServer's command line, in cluster mode with its node file in the workdir."""
+        return [
+            *super().command(),
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            str(self.workdir / "nodes.conf"),
+            "--cluster-node-timeout",
+            "2000",
+        ]

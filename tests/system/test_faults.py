@@ -24,7 +24,15 @@ import pytest
 
 from petstore import auth, cli, config, db
 from support.nginx import Answer, DeployedGunicorn, Nginx, call
-from support.servers import RedisServer, Service, ThrowawayPostgres
+from support.servers import (
+    PgBouncer,
+    RedisReplica,
+    RedisSentinel,
+    RedisServer,
+    Service,
+    ThrowawayPostgres,
+    poll_until,
+)
 
 APP_DBNAME = "petstore"
 # The app's bounds, small so that a fault is noticed within about a second; all ordinary settings.
@@ -143,11 +151,13 @@ class Stack:
             db.upgrade(conn)
             self.key, _row = auth.issue_key(conn, "enterprise", "faults", 10_000_000, 100_000_000)
         self.redis.start()
-        environ = {
-            "DATABASE_URL": self.database_url,
-            "RATELIMIT_STORAGE_URI": self.redis.url(),
-            **ENVIRON,
-        }
+        self.start_web(
+            {"DATABASE_URL": self.database_url, "RATELIMIT_STORAGE_URI": self.redis.url()}
+        )
+
+    def start_web(self, environ: dict[str, str]) -> None:
+        """Two instances (with ENVIRON and `environ`) and nginx in front of them."""
+        environ = {**ENVIRON, **environ}
         for number in range(2):
             instance = DeployedGunicorn(
                 environ, self.workdir / f"gunicorn-{number}.log", workers=WORKERS, threads=THREADS
@@ -195,6 +205,75 @@ class Stack:
         """nginx's address."""
         assert self.nginx is not None
         return self.nginx.url
+
+
+class ScaledStack(Stack):
+    """The stack's PostgreSQL behind PgBouncer (deploy/pgbouncer.ini, PETSTORE_DB_POOLER=transaction),
+    and Redis Sentinel (a master, a replica, three sentinels) instead of one Redis: two more
+    instances and an nginx of its own."""
+
+    def __init__(self, workdir: Path, base: Stack) -> None:
+        super().__init__(workdir)
+        self.cluster = base.cluster
+        self.database_url = base.database_url
+        self.key = base.key
+        self.pgbouncer = PgBouncer(workdir / "pgbouncer", base.database_url, dbname=APP_DBNAME)
+        self.replica = RedisReplica(workdir / "replica", self.redis.port)
+        self.sentinels = [
+            RedisSentinel(workdir / f"sentinel-{n}", self.redis.port) for n in range(3)
+        ]
+
+    def start(self) -> None:
+        """The statement timeout pinned for the pooler, PgBouncer, Sentinel (settled), instances, nginx."""
+        with self.connect() as conn:
+            db.pin_statement_timeout(conn, STATEMENT_TIMEOUT_MS)
+        self.pgbouncer.start()
+        self.redis.start()
+        self.replica.start()
+        for sentinel in self.sentinels:
+            sentinel.start()
+        settled = poll_until(
+            lambda: all(
+                sentinel.master().get("num-other-sentinels") == "2"
+                and sentinel.master().get("num-slaves") == "1"
+                for sentinel in self.sentinels
+            ),
+            bool,
+            within=30.0,
+            interval=0.2,
+        )
+        assert settled, [sentinel.master() for sentinel in self.sentinels]
+        hosts = ",".join(f"127.0.0.1:{sentinel.port}" for sentinel in self.sentinels)
+        self.start_web(
+            {
+                "DATABASE_URL": self.pgbouncer.url(),
+                "PETSTORE_DB_POOLER": "transaction",
+                "RATELIMIT_STORAGE_URI": f"redis+sentinel://{hosts}/{self.sentinels[0].service}",
+            }
+        )
+
+    def restore(self) -> None:
+        """PgBouncer back if a fault left it down, then the rest as for Stack."""
+        if self.pgbouncer.process is None:
+            self.pgbouncer.start()
+        super().restore()
+
+    def stop(self) -> None:
+        """Stop every process of its own (PostgreSQL is the base stack's)."""
+        steps: list[Callable[[], None]] = []
+        if self.nginx is not None:
+            steps.append(self.nginx.stop)
+        steps += [instance.stop for instance in self.instances]
+        steps += [sentinel.stop for sentinel in self.sentinels]
+        steps += [self.replica.stop, self.redis.stop, self.pgbouncer.stop]
+        errors = []
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # keep stopping the others
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 class Load:
@@ -435,6 +514,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config)
                 print_table(RESULTS)
 
 
+@pytest.fixture(scope="module")
+def scaled(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScaledStack]:
+    """The module's PostgreSQL behind PgBouncer, with Redis Sentinel: two more instances and nginx."""
+    running = ScaledStack(tmp_path_factory.mktemp("faults-scaled"), stack)
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
 def reads(load: Load) -> list[Attempt]:
     """The GET requests of a run."""
     return [attempt for attempt in load.attempts if attempt.op != "create"]
@@ -486,6 +576,34 @@ def test_master_stopped_under_load(stack: Stack) -> None:
     assert not [attempt for attempt in reads(load) if attempt.status != 200], (
         "a read failed while another instance was healthy"
     )
+
+
+def test_pgbouncer_restart_under_load(scaled: ScaledStack) -> None:
+    """PgBouncer restarts (immediate shutdown, down a moment, start): prompt 503s, then 2xx; no write lost."""
+    load, result = run_fault(scaled, "pgbouncer restart", outage(scaled.pgbouncer, POSTGRES_DOWN))
+    assert result.unavailable > 0, "PgBouncer was restarted but no request noticed"
+    assert result.from_proxy == 0, "the instances were up: only the app may answer 503"
+
+
+def test_sentinel_failover_under_load(scaled: ScaledStack) -> None:
+    """The Redis master killed: the limiter falls back, Sentinel promotes the replica; nothing fails.
+
+    The last run on this stack: a restore() would start the killed master again, empty.
+    """
+    old_port = scaled.redis.port
+
+    def fault() -> None:
+        scaled.redis.stop()  # SIGKILL
+        promoted = poll_until(
+            scaled.sentinels[0].master_port_now,
+            lambda port: port not in (None, old_port),
+            within=30.0,
+            interval=0.2,
+        )
+        assert promoted == scaled.replica.port, "Sentinel did not promote the replica"
+
+    load, result = run_fault(scaled, "sentinel failover", fault)
+    assert result.ok == result.requests, "a Redis failover must not fail any request"
 
 
 def test_sustained_mixed_load(stack: Stack) -> None:

@@ -1,0 +1,50 @@
+"""Settings for PgBouncer, Redis Sentinel and Redis Cluster: what each turns into, without the servers."""
+
+from __future__ import annotations
+
+import pytest
+from limits.storage import storage_from_string
+
+from petstore import budgets, config, db, storages
+
+
+def test_sentinel_and_cluster_uris_map_to_the_counting_storages() -> None:
+    sentinel = "redis+sentinel://127.0.0.1:1,127.0.0.1:2/petstore"
+    cluster = "redis+cluster://127.0.0.1:1,127.0.0.1:2"
+    assert storages.storage_uri(sentinel) == f"petstore+{sentinel}"
+    assert storages.storage_uri(cluster) == f"petstore+{cluster}"
+    # limits finds our classes by scheme; both keep the count and expiry in one call.
+    assert issubclass(storages.CountingSentinelStorage, storages.CountingRedisStorage)
+    assert issubclass(storages.CountingClusterStorage, storages.CountingRedisStorage)
+    with pytest.raises(Exception) as refused:
+        # Nothing listens on port 1: the class is found, then the connection fails.
+        storage_from_string(storages.storage_uri(cluster), socket_connect_timeout=0.1)
+    assert "scheme" not in str(refused.value).lower()
+
+
+def test_redis_timeouts_bound_sentinel_and_cluster_too() -> None:
+    settings = config.from_environ({"PETSTORE_REDIS_TIMEOUT": "0.5"})
+    timeouts = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
+    for uri in ("redis://h:1/0", "redis+cluster://h:1"):
+        assert budgets.storage_options({**settings, "RATELIMIT_STORAGE_URI": uri}) == timeouts
+    sentinel = budgets.storage_options(
+        {**settings, "RATELIMIT_STORAGE_URI": "redis+sentinel://h:1/petstore"}
+    )
+    assert sentinel == {**timeouts, "sentinel_kwargs": timeouts, "use_replicas": False}
+
+
+def test_transaction_pooler_sends_no_options_and_prepares_nothing() -> None:
+    direct = db.connection_kwargs(config.from_environ({}))
+    assert direct["options"] == "-c statement_timeout=5000"
+    assert "prepare_threshold" not in direct
+    assert db.statement_timeout_check(config.from_environ({})) is None
+    pooled_settings = config.from_environ({"PETSTORE_DB_POOLER": "transaction"})
+    pooled = db.connection_kwargs(pooled_settings)
+    assert "options" not in pooled
+    assert pooled["prepare_threshold"] is None
+    assert db.statement_timeout_check(pooled_settings) is not None
+
+
+def test_an_unknown_pooler_is_refused() -> None:
+    with pytest.raises(config.ConfigError, match="PETSTORE_DB_POOLER"):
+        config.from_environ({"PETSTORE_DB_POOLER": "session"})

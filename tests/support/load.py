@@ -1,0 +1,95 @@
+"""A mixed load of creates (retried with their Idempotency-Key), lists and gets, counted answer by answer."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from petstore import db
+from support.nginx import Answer, call
+
+CLIENTS = 16
+HTTP_TIMEOUT = 15.0
+
+
+class MixedLoad:
+    """`clients` threads sending `total` requests: creates (Idempotency-Key, retried on 503 or no
+    answer), lists and gets; every answer and every 201 recorded."""
+
+    def __init__(self, base_url: str, key: str, label: str, clients: int = CLIENTS) -> None:
+        self.clients = clients
+        self.base_url = base_url
+        self.key = key
+        self.label = label
+        self.answers: list[Answer] = []
+        self.failures: list[str] = []
+        self.created: list[int] = []
+        self.abandoned: list[str] = []
+        self.lock = threading.Lock()
+
+    def send(self, method: str, path: str, **extra: Any) -> Answer | None:
+        headers = {"Authorization": f"Bearer {self.key}", **extra.pop("headers", {})}
+        try:
+            answer = call(
+                self.base_url, method, path, headers=headers, timeout=HTTP_TIMEOUT, **extra
+            )
+        except OSError as exc:
+            with self.lock:
+                self.failures.append(f"{method} {path}: {exc!r}")
+            time.sleep(0.2)
+            return None
+        with self.lock:
+            self.answers.append(answer)
+        if answer.status == 503:
+            time.sleep(0.2)
+        return answer
+
+    def create(self, name: str) -> None:
+        """Create a pet; on a 503 or no answer, again with the same Idempotency-Key (bounded)."""
+        headers = {"Idempotency-Key": uuid.uuid4().hex}
+        body = {"name": name, "categoryId": 3, "status": "available"}
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            answer = self.send("POST", "/v1/pets", headers=headers, json_body=body)
+            if answer is not None and answer.status == 201:
+                with self.lock:
+                    self.created.append(answer.body["id"])
+                return
+            if answer is not None and answer.status != 503:
+                break
+        with self.lock:
+            self.abandoned.append(name)
+
+    def request(self, number: int) -> None:
+        step = number % 3
+        if step == 0 or not self.created:
+            self.create(f"{self.label}-{number}")
+        elif step == 1:
+            self.send("GET", "/v1/pets?limit=20")
+        else:
+            self.send("GET", f"/v1/pets/{self.created[number % len(self.created)]}")
+
+    def run(self, total: int, stop: threading.Event | None = None) -> None:
+        """`total` requests (or until `stop` is set) from CLIENTS threads."""
+
+        def client(start: int) -> None:
+            for number in range(start, total, self.clients):
+                if stop is not None and stop.is_set():
+                    return
+                self.request(number)
+
+        with ThreadPoolExecutor(max_workers=self.clients) as executor:
+            list(executor.map(client, range(self.clients)))
+
+    def rows(self, connect: Callable[[], db.Connection]) -> Counter[str]:
+        """The stored pets of this load by name, read on a connection from `connect`."""
+        with connect() as conn:
+            rows = conn.execute(
+                "select name from pets where name like %s", [f"{self.label}-%"]
+            ).fetchall()
+        return Counter(row["name"] for row in rows)

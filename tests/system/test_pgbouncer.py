@@ -1,0 +1,249 @@
+"""The service behind Debian's PgBouncer in transaction pooling (deploy/pgbouncer.ini, PETSTORE_DB_POOLER).
+
+No server-side prepared statements, the statement timeout pinned on the database, migrations on
+the direct URL, and through the pooler: a mixed concurrent load with every 201 a row, bans,
+idempotent retries, 503 while the pooler is down and recovery after its restart.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from conftest import TEST_REDIS_URL
+from petstore import auth, config, db
+from support.databases import empty_database
+from support.load import MixedLoad
+from support.nginx import call
+from support.servers import ROOT, Gunicorn, PgBouncer, poll_until
+
+STATEMENT_TIMEOUT_MS = 1000
+POOL_TIMEOUT = 1.0
+CONNECT_TIMEOUT = 1
+REQUESTS = 3000
+HTTP_TIMEOUT = 15.0
+# A pooler that is down is noticed by a pool wait plus a connection attempt; slack for the rest.
+UNAVAILABLE_WITHIN = POOL_TIMEOUT + CONNECT_TIMEOUT + 2.0
+RECOVERED_WITHIN = 15.0
+
+
+@dataclass
+class Pooled:
+    """PgBouncer in front of a scratch database migrated through the CLI, and the service's environment."""
+
+    pgbouncer: PgBouncer
+    direct_url: str
+    environ: dict[str, str]
+    workdir: Path
+
+    def direct(self) -> db.Connection:
+        """A connection to PostgreSQL itself, not the pooler."""
+        return db.connect(config.from_environ({"DATABASE_URL": self.direct_url}))
+
+    def gunicorn(self, name: str, **environ: str) -> Gunicorn:
+        """A gunicorn (2 workers × 4 threads) of the service through the pooler."""
+        return Gunicorn({**self.environ, **environ}, self.workdir / f"{name}.log")
+
+
+def upgrade(environ: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`petstore db upgrade` with `environ` (and nothing of the test runner's database settings)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PETSTORE_", "DATABASE_"))}
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("petstore")), "db", "upgrade"],
+        cwd=ROOT,
+        env={**clean, **environ},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture(scope="module")
+def pooled(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pooled]:
+    """A scratch database behind a PgBouncer of the test's own, migrated with the README's commands."""
+    redis_url = os.environ.get("PETSTORE_TEST_REDIS_URL", TEST_REDIS_URL)
+    # Key ids start at 1 in the scratch database: counters of other tests' keys must not count.
+    redis.Redis.from_url(redis_url, socket_timeout=2).flushdb()
+    workdir = tmp_path_factory.mktemp("pgbouncer")
+    with empty_database(database_url, "_pgbouncer") as direct_url:
+        with PgBouncer(workdir, direct_url) as pgbouncer:
+            environ = {
+                "DATABASE_URL": pgbouncer.url(),
+                "PETSTORE_DB_POOLER": "transaction",
+                "PETSTORE_MIGRATION_DATABASE_URL": direct_url,
+                "PETSTORE_DB_STATEMENT_TIMEOUT_MS": str(STATEMENT_TIMEOUT_MS),
+                "PETSTORE_DB_POOL_TIMEOUT": str(POOL_TIMEOUT),
+                "PETSTORE_DB_CONNECT_TIMEOUT": str(CONNECT_TIMEOUT),
+                "PETSTORE_DB_RECONNECT_TIMEOUT": "2",
+                "RATELIMIT_STORAGE_URI": redis_url,
+                "PETSTORE_BAN_THRESHOLD": "3",
+            }
+            done = upgrade(environ)
+            assert done.returncode == 0, done.stderr
+            assert "applied:" in done.stdout
+            yield Pooled(pgbouncer, direct_url, environ, workdir)
+
+
+def bearer(key: str, **headers: str) -> dict[str, str]:
+    """The request headers of `key`."""
+    return {"Authorization": f"Bearer {key}", **headers}
+
+
+def issue(pooled: Pooled, plan: str = "enterprise", per_minute: int = 10_000_000) -> str:
+    """A new key, made on the direct connection."""
+    with pooled.direct() as conn:
+        key, _row = auth.issue_key(conn, plan, "pgbouncer", per_minute, 100_000_000)
+    return key
+
+
+def test_upgrade_behind_the_pooler_needs_the_direct_url(pooled: Pooled) -> None:
+    """The migrations' session lock cannot work through transaction pooling: the CLI says what to set."""
+    environ = {k: v for k, v in pooled.environ.items() if k != "PETSTORE_MIGRATION_DATABASE_URL"}
+    done = upgrade(environ)
+    assert done.returncode != 0
+    assert "PETSTORE_MIGRATION_DATABASE_URL" in done.stderr
+
+
+def test_a_slow_statement_is_cut_behind_the_pooler(pooled: Pooled) -> None:
+    """pg_sleep through the pooler is cancelled at the pinned timeout, and nothing is prepared server-side."""
+    settings = {
+        **config.from_environ(pooled.environ),
+        "DATABASE_URL": pooled.pgbouncer.url(),
+    }
+    with db.connect(settings) as conn:
+        assert conn.prepare_threshold is None
+        for _ in range(10):  # past psycopg's default threshold of 5
+            conn.execute("select 1 where %s", [True])
+        assert conn.execute("select count(*) as n from pg_prepared_statements").fetchone() == {
+            "n": 0
+        }
+        started = time.monotonic()
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            conn.execute("select pg_sleep(5)")
+        assert time.monotonic() - started < 4.0
+
+
+def test_a_slow_request_gets_503_not_500(pooled: Pooled) -> None:
+    """A request whose statement waits past the timeout (a table lock held elsewhere) answers 503, then 200."""
+    key = issue(pooled)
+    with pooled.gunicorn("slow") as app, pooled.direct() as locker:
+        url = f"{app.url}"
+        with locker.transaction():
+            locker.execute("lock table pets in access exclusive mode")
+            answer = call(url, "GET", "/v1/pets", headers=bearer(key), timeout=HTTP_TIMEOUT)
+        assert answer.status == 503, (answer.status, answer.body)
+        assert answer.is_json_error and answer.body["code"] == "service_unavailable"
+        assert answer.elapsed >= STATEMENT_TIMEOUT_MS / 1000 * 0.9
+        # Cut by the pinned timeout, not by a pool wait or a lost connection.
+        assert (
+            "QueryCanceled: canceling statement due to statement timeout"
+            in app.log_path.read_text(encoding="utf-8")
+        )
+        assert call(url, "GET", "/v1/pets", headers=bearer(key)).status == 200
+
+
+def test_a_timeout_other_than_the_pinned_one_is_refused(pooled: Pooled) -> None:
+    """A service whose PETSTORE_DB_STATEMENT_TIMEOUT_MS the database does not have answers 503, never unbounded."""
+    key = issue(pooled)
+    with pooled.gunicorn("unpinned", PETSTORE_DB_STATEMENT_TIMEOUT_MS="60000") as app:
+        answer = call(app.url, "GET", "/v1/pets", headers=bearer(key), timeout=HTTP_TIMEOUT)
+        assert answer.status == 503, (answer.status, answer.body)
+        assert "statement_timeout behind the pooler is" in app.log_path.read_text()
+
+
+def test_mixed_concurrent_load_through_the_pooler(pooled: Pooled) -> None:
+    """16 clients, 3,000 mixed requests: no 5xx, and exactly one row per 201."""
+    key = issue(pooled)
+    with pooled.gunicorn("load") as app:
+        load = MixedLoad(app.url, key, "load")
+        load.run(REQUESTS)
+    statuses = Counter(answer.status for answer in load.answers)
+    rows = load.rows(pooled.direct)
+    print(
+        f"\nPgBouncer load: {len(load.answers)} requests, statuses {dict(statuses)}, "
+        f"201s {statuses[201]}, rows {sum(rows.values())}, no answer {len(load.failures)}"
+    )
+    assert not load.failures, load.failures[:5]
+    assert len(load.answers) == REQUESTS
+    assert not [status for status in statuses if status >= 500], statuses
+    assert set(statuses) <= {200, 201}, statuses
+    assert sum(rows.values()) == statuses[201] == len(load.created)
+    assert max(rows.values()) == 1
+
+
+def test_bans_and_idempotency_through_the_pooler(pooled: Pooled) -> None:
+    """A key that keeps calling after 429 is banned; a repeated create answers the first pet."""
+    key = issue(pooled, per_minute=3)
+    with pooled.gunicorn("bans") as app:
+        headers = bearer(key, **{"Idempotency-Key": uuid.uuid4().hex})
+        body = {"name": "once", "categoryId": 1, "status": "available"}
+        first = call(app.url, "POST", "/v1/pets", headers=headers, json_body=body)
+        again = call(app.url, "POST", "/v1/pets", headers=headers, json_body=body)
+        assert (first.status, again.status) == (201, 201)
+        assert again.body == first.body
+        # 3 per minute: the third GET is the last allowed; strikes 1..3, then banned.
+        answers = [call(app.url, "GET", "/v1/pets", headers=bearer(key)) for _ in range(6)]
+        statuses = [answer.status for answer in answers]
+        assert statuses == [200, 429, 429, 429, 429, 429], statuses
+        assert answers[-1].is_json_error and answers[-1].body["code"] == "api_key_banned"
+    with pooled.direct() as conn:
+        assert conn.execute("select count(*) as n from pets where name = 'once'").fetchone() == {
+            "n": 1
+        }
+        assert conn.execute("select count(*) as n from bans").fetchone()["n"] >= 1
+
+
+def test_pgbouncer_restart_under_load(pooled: Pooled) -> None:
+    """PgBouncer down: prompt 503s (no 500, no hang); back up: 200 again without restarting the service."""
+    key = issue(pooled)
+    with pooled.gunicorn("restart") as app:
+        load = MixedLoad(app.url, key, "restart")
+        stop = threading.Event()
+        runner = threading.Thread(target=load.run, args=(10**6, stop), daemon=True)
+        runner.start()
+        try:
+            time.sleep(1.0)
+            pooled.pgbouncer.stop()
+            down_at = time.monotonic()
+            time.sleep(1.5)
+            pooled.pgbouncer.start()
+            recovered = poll_until(
+                lambda: call(app.url, "GET", "/v1/pets", headers=bearer(key)).status,
+                lambda status: status == 200,
+                within=RECOVERED_WITHIN,
+                interval=0.2,
+            )
+            recovered_after = time.monotonic() - down_at
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            runner.join(timeout=60)
+    statuses = Counter(answer.status for answer in load.answers)
+    rows = load.rows(pooled.direct)
+    slowest = max(answer.elapsed for answer in load.answers)
+    print(
+        f"\nPgBouncer restart: {len(load.answers)} requests, statuses {dict(statuses)}, "
+        f"slowest {slowest:.2f} s, recovered after {recovered_after:.2f} s, rows {sum(rows.values())}"
+    )
+    assert recovered == 200
+    assert not runner.is_alive()
+    assert not load.failures, load.failures[:5]
+    assert set(statuses) <= {200, 201, 503}, statuses
+    assert statuses[503] > 0, "the outage was not seen"
+    unavailable = [a for a in load.answers if a.status == 503]
+    assert all(a.is_json_error for a in unavailable)
+    assert max(a.elapsed for a in unavailable) < UNAVAILABLE_WITHIN
+    assert sum(rows.values()) == statuses[201] == len(load.created)
+    assert max(rows.values()) == 1
