@@ -8,8 +8,9 @@ from typing import Any
 from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from petstore import auth, config, db, errors, limits, logs
+from petstore import auth, config, db, errors, limits, logs, metrics
 from petstore.views import docs, health, orders, pets
+from petstore.views import metrics as metrics_view
 from petstore.web import API_PREFIX
 
 
@@ -39,8 +40,10 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
     app.before_request(auth.identify_caller)
     limits.init_app(app)
     app.before_request(auth.require_caller)
+    metrics.init_app(app)
 
     app.register_blueprint(health.bp)
+    app.register_blueprint(metrics_view.bp)
     app.register_blueprint(pets.bp, url_prefix=API_PREFIX)
     app.register_blueprint(orders.bp, url_prefix=API_PREFIX)
     app.register_blueprint(docs.bp, url_prefix=API_PREFIX)

@@ -87,6 +87,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_BAN_THRESHOLD": ("BAN_THRESHOLD", _int(1), 10),
     "PETSTORE_BAN_SECONDS": ("BAN_SECONDS", _int(1), 900),
     "PETSTORE_REDIS_TIMEOUT": ("REDIS_TIMEOUT", _float(0.01), 0.25),
+    # prometheus_client's own name: it reads the environment when imported (petstore.metrics).
+    "PROMETHEUS_MULTIPROC_DIR": ("METRICS_DIR", _str, None),
 }
 
 
@@ -112,4 +114,10 @@ def check(config: Mapping[str, Any]) -> None:
         raise ConfigError(
             "DATABASE_URL is not set: give the libpq URL of the PostgreSQL server "
             "(or use `make run`, which starts an embedded one)"
+        )
+    metrics_dir = config.get("METRICS_DIR")
+    if metrics_dir and not os.path.isdir(metrics_dir):
+        raise ConfigError(
+            f"PROMETHEUS_MULTIPROC_DIR={metrics_dir!r} is not a directory: the workers write "
+            "their metrics there (deploy/gunicorn.conf.py creates one when it is not set)"
         )

@@ -13,7 +13,7 @@ from flask import Flask, Response, current_app, g, request
 from flask_limiter import Limiter, RequestLimit
 from flask_limiter.errors import RateLimitExceeded
 
-from petstore import db, storages
+from petstore import db, metrics, storages
 from petstore.config import ConfigError
 from petstore.errors import APIError, error_response
 from petstore.queries import bans
@@ -101,6 +101,9 @@ class FallbackLimiter(Limiter):
                 raise
             self.context.seen_limits.clear()
             super()._check_request_limit(callable_name, in_middleware)
+        finally:
+            if self._storage_dead and not was_dead:
+                metrics.ratelimit_storage_failed()
 
 
 def get_limiter() -> Limiter:
@@ -147,6 +150,7 @@ def strike(limiter: Limiter, caller: dict[str, Any], breached: RequestLimit) -> 
     # A new ban starts a new count: after it ends, the key gets a full threshold again.
     storage.clear(strike_key)
     if ban is not None:
+        metrics.ban_created()
         log.warning(
             "banned key %s for %s s after %s strikes", caller["id"], ban["seconds"], strikes
         )
