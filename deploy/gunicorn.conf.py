@@ -8,9 +8,12 @@ the command line. No --preload: each worker opens its own PostgreSQL pool after 
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 from typing import Any
 
 _env = os.environ.get
@@ -86,33 +89,25 @@ def post_worker_init(worker: Any) -> None:
 
 # PROMETHEUS_MULTIPROC_DIR: where the workers write their metrics for GET /metrics to sum
 # (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own
-# and removes it on exit; several instances on one host need one directory each.
-_own_metrics_dir: list[str] = []
+# and removes it on exit; several instances on one host need one directory each. Set here, when
+# gunicorn reads this file: prometheus_client reads it once, on import, and the master imports
+# petstore (for the log format, below) before any hook runs; the workers inherit it.
+if not _env("PROMETHEUS_MULTIPROC_DIR"):
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="petstore-metrics-")
+    # Remembered in the environment: a reload (SIGHUP) reads this file again.
+    os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 
 def on_starting(server: Any) -> None:
-    """Before any worker: empty the metrics directory (or make one), as prometheus_client requires.
-
-    Set here, in the master, the variable reaches every worker before it imports prometheus_client,
-    which reads it once, on import.
-    """
-    import glob
-    import tempfile
-
-    directory = _env("PROMETHEUS_MULTIPROC_DIR", "")
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-        for stale in glob.glob(os.path.join(directory, "*.db")):
-            os.remove(stale)
-    else:
-        directory = tempfile.mkdtemp(prefix="petstore-metrics-")
-        _own_metrics_dir.append(directory)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    """Before any worker: empty the metrics directory, as prometheus_client requires."""
+    directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    os.makedirs(directory, exist_ok=True)
+    for stale in glob.glob(os.path.join(directory, "*.db")):
+        os.remove(stale)
 
 
 def child_exit(server: Any, worker: Any) -> None:
     """A worker is gone: drop its gauges (pool, fallback) from the sums; its counters stay."""
-    # Imported here, after on_starting set the directory: prometheus_client reads it on import.
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])
@@ -120,7 +115,6 @@ def child_exit(server: Any, worker: Any) -> None:
 
 def on_exit(server: Any) -> None:
     """Remove the metrics directory the master made itself."""
-    import shutil
-
-    for directory in _own_metrics_dir:
+    directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    if os.environ.get("PETSTORE_OWN_METRICS_DIR") == directory:
         shutil.rmtree(directory, ignore_errors=True)

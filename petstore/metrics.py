@@ -233,6 +233,8 @@ def build() -> Metrics:
         registry=CollectorRegistry(auto_describe=True),
     )
     # Known series start at zero, so that rate() and increase() see their first increment.
+    for operation in sorted({*OPERATIONS.values(), UNKNOWN}):
+        latency.labels(operation=operation)
     for code in sorted(TOO_MANY_REQUESTS_CODES):
         too_many_requests.labels(code=code)
     for _error, kind in DATABASE_ERROR_KINDS:
