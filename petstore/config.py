@@ -121,3 +121,9 @@ def check(config: Mapping[str, Any]) -> None:
             f"PROMETHEUS_MULTIPROC_DIR={metrics_dir!r} is not a directory: the workers write "
             "their metrics there (deploy/gunicorn.conf.py creates one when it is not set)"
         )
+    if metrics_dir and os.environ.get("PROMETHEUS_MULTIPROC_DIR") != metrics_dir:
+        # prometheus_client reads the environment once, when it is imported.
+        raise ConfigError(
+            "PROMETHEUS_MULTIPROC_DIR must be set in the environment before the service "
+            "starts (deploy/gunicorn.conf.py sets it); a setting passed later cannot move it"
+        )

@@ -12,14 +12,14 @@ a key or anything else a client chooses.
 
 from __future__ import annotations
 
+import atexit
+import bisect
 import importlib.metadata
-import os
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import psycopg
 import psycopg_pool
@@ -102,9 +102,49 @@ def multiprocess_mode() -> bool:
     return bool(getattr(values.ValueClass, "_multiprocess", False))
 
 
+class Tally:
+    """This process's requests and latencies not yet written to prometheus_client.
+
+    In multiprocess mode every prometheus_client update is a locked write to a memory-mapped
+    file with a getpid() system call: three per request (a count, a bucket, a sum) cost about
+    25 µs of CPU on the benchmark machine. Here a request costs a lock and two dict updates;
+    flush() writes the totals, by the sampler every SAMPLE_SECONDS, at each scrape and at exit.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        # (endpoint, status) -> requests
+        self.requests: dict[tuple[str | None, int], int] = {}
+        # endpoint -> [observations in each bucket of LATENCY_BUCKETS, then +Inf, then the sum]
+        self.latency: dict[str | None, list[float]] = {}
+
+    def add(self, endpoint: str | None, status: int, seconds: float | None) -> None:
+        """One request (its latency, when known)."""
+        key = (endpoint, status)
+        with self.lock:
+            self.requests[key] = self.requests.get(key, 0) + 1
+            if seconds is None:
+                return
+            slots = self.latency.get(endpoint)
+            if slots is None:
+                slots = self.latency[endpoint] = [0.0] * (len(LATENCY_BUCKETS) + 2)
+            # The first bound at or above the value: "le" means less than or equal.
+            slots[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            slots[-1] += seconds
+
+    def take(
+        self,
+    ) -> tuple[dict[tuple[str | None, int], int], dict[str | None, list[float]]]:
+        """Everything tallied so far, leaving the tally empty."""
+        with self.lock:
+            taken = self.requests, self.latency
+            self.requests, self.latency = {}, {}
+        return taken
+
+
 @dataclass
 class Metrics:
-    """One app's metric objects, and the label children already looked up (a dict get per request)."""
+    """One app's metric objects and the tally of requests not yet written to them."""
 
     requests: Counter
     latency: Histogram
@@ -119,17 +159,22 @@ class Metrics:
     pool_waiting: Gauge
     build_info: Gauge
     registry: CollectorRegistry
-    children: dict[tuple[str | None, int], tuple[Any, Any]] = field(default_factory=dict)
+    tally: Tally = field(default_factory=Tally)
 
-    def children_for(self, endpoint: str | None, status: int) -> tuple[Any, Any]:
-        """The request counter and latency histogram of (endpoint, status), created once."""
-        operation = OPERATIONS.get(endpoint, UNKNOWN)
-        found = (
-            self.requests.labels(operation=operation, status=str(status)),
-            self.latency.labels(operation=operation),
-        )
-        self.children[endpoint, status] = found
-        return found
+    def flush(self) -> None:
+        """Write the tallied requests and latencies to prometheus_client."""
+        requests, latency = self.tally.take()
+        for (endpoint, status), count in requests.items():
+            operation = OPERATIONS.get(endpoint, UNKNOWN)
+            self.requests.labels(operation=operation, status=str(status)).inc(count)
+        for endpoint, slots in latency.items():
+            histogram = self.latency.labels(operation=OPERATIONS.get(endpoint, UNKNOWN))
+            # Histogram.observe() takes one value at a time; its bucket counters and sum take
+            # any amount (prometheus_client keeps a bucket's own count and adds them up when read).
+            for bucket, observed in zip(histogram._buckets, slots[:-1], strict=True):
+                if observed:
+                    bucket.inc(observed)
+            histogram._sum.inc(slots[-1])
 
     def all(self) -> Iterator[Counter | Gauge | Histogram]:
         """Every metric object, to register in a one-process registry."""
@@ -213,7 +258,7 @@ def build() -> Metrics:
         ),
         pool_in_use=Gauge(
             "petstore_db_pool_connections_in_use",
-            "PostgreSQL connections lent to requests right now.",
+            "PostgreSQL connections lent to requests (or being opened) right now.",
             registry=None,
             multiprocess_mode="livesum",
         ),
@@ -252,19 +297,15 @@ def observe_request(response: Response) -> Response:
     """Count the request and its latency by operation and status; note 429 codes and replays.
 
     The one per-request call: it reads what the request left (its endpoint, g.started from
-    petstore.logs.start_request) and the response, and changes neither.
+    petstore.logs.start_request) and the response, and changes neither. It only tallies
+    (see Tally): a few µs.
     """
     metrics: Metrics = current_app.extensions[EXTENSION]
     status = response.status_code
-    endpoint = request.endpoint
-    children = metrics.children.get((endpoint, status))
-    if children is None:
-        children = metrics.children_for(endpoint, status)
-    count, latency = children
-    count.inc()
     started = g.get("started")
-    if started is not None:
-        latency.observe(time.perf_counter() - started)
+    metrics.tally.add(
+        request.endpoint, status, None if started is None else time.perf_counter() - started
+    )
     if status == 429:
         metrics.too_many_requests.labels(code=too_many_requests_code(response)).inc()
     elif status == 201 and response.headers.get("Idempotent-Replayed") == "true":
@@ -298,8 +339,9 @@ def ratelimit_storage_failed() -> None:
 
 
 def sample(app: Flask) -> None:
-    """Write this worker's gauges: its pool's size, connections in use, waiting requests, fallback."""
+    """Write this worker's tally and gauges: its pool's size, connections in use, waiting requests, fallback."""
     metrics: Metrics = app.extensions[EXTENSION]
+    metrics.flush()
     pool = app.extensions.get("petstore.pool")
     if pool is not None and not pool.closed:
         stats = pool.get_stats()
@@ -311,7 +353,7 @@ def sample(app: Flask) -> None:
 
 
 class Sampler(threading.Thread):
-    """Writes one worker's gauges every SAMPLE_SECONDS, until its pool is closed.
+    """Writes one worker's tally and gauges every SAMPLE_SECONDS, until its pool is closed.
 
     In multiprocess mode a scrape is answered by one worker, which reads every worker's files:
     sampling at scrape time would refresh only the answering worker's numbers, and the others'
@@ -346,7 +388,7 @@ def metrics_response() -> Response:
     """The Prometheus text format of every worker's numbers (or this process's)."""
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     metrics: Metrics = app.extensions[EXTENSION]
-    # This worker's own gauges are fresh at least; the others' are at most SAMPLE_SECONDS old.
+    # This worker's own numbers are fresh at least; the others' are at most SAMPLE_SECONDS old.
     sample(app)
     return current_app.response_class(
         generate_latest(metrics.registry), mimetype=None, content_type=CONTENT_TYPE_LATEST
@@ -366,11 +408,11 @@ def init_app(app: Flask) -> None:
     directory = app.config["METRICS_DIR"]
     metrics = build()
     if directory:
-        if not multiprocess_mode() or os.environ.get("PROMETHEUS_MULTIPROC_DIR") != directory:
-            # prometheus_client reads the environment once, when it is imported.
+        if not multiprocess_mode():
+            # config.check saw the variable set: prometheus_client was imported before it was.
             raise ConfigError(
-                "PROMETHEUS_MULTIPROC_DIR must be set in the environment before the service "
-                "starts (deploy/gunicorn.conf.py sets it); a setting passed later cannot move it"
+                "PROMETHEUS_MULTIPROC_DIR was set after prometheus_client was imported: set it "
+                "in the environment of the service, before it starts"
             )
         MultiProcessCollector(metrics.registry, path=directory)  # type: ignore[no-untyped-call]
     else:
@@ -384,3 +426,5 @@ def init_app(app: Flask) -> None:
     app.after_request(observe_request)
     if directory:
         Sampler(app).start()
+        # A worker that stops (SIGTERM, max_requests) writes its last second; a killed one loses it.
+        atexit.register(metrics.flush)

@@ -141,7 +141,15 @@ def test_prometheus_sums_two_workers_of_known_traffic(
             "sum(petstore_db_pool_requests_waiting)": 0.0,
             'up{job="petstore"}': 1.0,
         }
-        answers = {promql: show(prometheus, promql) for promql in expected}
+        # Each worker writes its tally every second, and Prometheus scrapes every second.
+        answers = poll_until(
+            lambda: {promql: prometheus.value(promql) for promql in expected},
+            lambda got: got == expected,
+            20.0,
+            0.25,
+        )
+        for promql in expected:
+            show(prometheus, promql)
         assert answers == expected
         in_use = "sum(petstore_db_pool_connections_in_use)"
         assert prometheus.wait_value(in_use, 0.0) == 0.0
