@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
+from prometheus_client import Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from petstore import create_app, metrics, openapi
@@ -233,3 +234,40 @@ def test_observe_request_is_a_plain_function(app: Flask, api_key: str) -> None:
         assert metrics.observe_request(response) is response
     with app.test_client() as client:
         assert requests_of(scrape(client), "listPets", 200) == 1
+
+
+def test_a_flushed_tally_reads_as_the_same_observations() -> None:
+    """The tally's bucket arithmetic agrees with Histogram.observe(), bounds included."""
+    tallied = metrics.build()
+    reference = Histogram(
+        "petstore_http_request_duration_seconds",
+        "reference",
+        ["operation"],
+        buckets=metrics.LATENCY_BUCKETS,
+        registry=None,
+    )
+    seconds = [0.0005, 0.001, 0.0010001, 0.004, 0.05, 0.0500001, 3.0, 12.0, 0.02, 0.02]
+    for value in seconds:
+        tallied.tally.add("pets.list_pets", 200, value)
+        reference.labels(operation="listPets").observe(value)
+    tallied.flush()
+
+    def listed(histogram: Histogram) -> dict[tuple[str, str], float]:
+        return {
+            (sample.name, sample.labels.get("le", "")): sample.value
+            for family in histogram.collect()
+            for sample in family.samples
+            if sample.labels["operation"] == "listPets" and not sample.name.endswith("_created")
+        }
+
+    assert listed(tallied.latency) == listed(reference)
+    assert value_of(tallied.requests, operation="listPets", status="200") == len(seconds)
+
+
+def value_of(counter: Counter, **labels: str) -> float:
+    return next(
+        sample.value
+        for family in counter.collect()
+        for sample in family.samples
+        if sample.labels == labels and sample.name.endswith("_total")
+    )
