@@ -116,11 +116,6 @@ def check(config: Mapping[str, Any]) -> None:
             "(or use `make run`, which starts an embedded one)"
         )
     metrics_dir = config.get("METRICS_DIR")
-    if metrics_dir and not os.path.isdir(metrics_dir):
-        raise ConfigError(
-            f"PROMETHEUS_MULTIPROC_DIR={metrics_dir!r} is not a directory: the workers write "
-            "their metrics there (deploy/gunicorn.conf.py creates one when it is not set)"
-        )
     if metrics_dir and os.environ.get("PROMETHEUS_MULTIPROC_DIR") != metrics_dir:
         # prometheus_client reads the environment once, when it is imported.
         raise ConfigError(

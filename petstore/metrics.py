@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import importlib.metadata
+import os
 import threading
 import time
 import weakref
@@ -416,6 +417,8 @@ def init_app(app: Flask) -> None:
                 "PROMETHEUS_MULTIPROC_DIR was set after prometheus_client was imported: set it "
                 "in the environment of the service, before it starts"
             )
+        # deploy/gunicorn.conf.py makes it (and empties it) before the workers start.
+        os.makedirs(directory, exist_ok=True)
         MultiProcessCollector(metrics.registry, path=directory)  # type: ignore[no-untyped-call]
     else:
         # The _created series exist in one-process mode only; leave them out so both read alike.
