@@ -8,10 +8,13 @@ the command line. No --preload: each worker opens its own PostgreSQL pool after 
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from typing import Any
 
 from petstore import config as _config
@@ -127,3 +130,36 @@ def post_worker_init(worker: Any) -> None:
             listener.sock.close()
 
     signal.signal(signal.SIGTERM, stop_listening_then_exit)
+
+
+# PROMETHEUS_MULTIPROC_DIR: where the workers write their metrics for GET /metrics to sum
+# (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own
+# and removes it on exit; several instances on one host need one directory each. Set here, when
+# gunicorn reads this file: prometheus_client reads it once, on import, and the master imports
+# petstore (for the log format, below) before any hook runs; the workers inherit it.
+if not _env("PROMETHEUS_MULTIPROC_DIR"):
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="petstore-metrics-")
+    # Remembered in the environment: a reload (SIGHUP) reads this file again.
+    os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+
+
+def on_starting(server: Any) -> None:
+    """Before any worker: empty the metrics directory, as prometheus_client requires."""
+    directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    os.makedirs(directory, exist_ok=True)
+    for stale in glob.glob(os.path.join(directory, "*.db")):
+        os.remove(stale)
+
+
+def child_exit(server: Any, worker: Any) -> None:
+    """A worker is gone: drop its gauges (pool, fallback) from the sums; its counters stay."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+
+
+def on_exit(server: Any) -> None:
+    """Remove the metrics directory the master made itself."""
+    directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    if os.environ.get("PETSTORE_OWN_METRICS_DIR") == directory:
+        shutil.rmtree(directory, ignore_errors=True)

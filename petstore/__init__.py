@@ -8,8 +8,9 @@ from typing import Any
 from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from petstore import budgets, config, db, errors, pipeline
+from petstore import budgets, config, db, errors, metrics, pipeline
 from petstore.views import docs, health, orders, pets, root
+from petstore.views import metrics as metrics_view
 from petstore.web import API_PREFIX
 
 
@@ -39,12 +40,14 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
     errors.init_app(app)
     db.init_app(app)
     budgets.init_app(app)
+    metrics.init_app(app)
     # The request path, in order (petstore/pipeline.py):
-    # identify → count → refuse banned → require a key → view → headers → log
+    # identify → count → refuse banned → require a key → view → headers → log (and metrics)
     pipeline.init_app(app)
 
     app.register_blueprint(health.bp)
     app.register_blueprint(root.bp)
+    app.register_blueprint(metrics_view.bp)
     app.register_blueprint(pets.bp, url_prefix=API_PREFIX)
     app.register_blueprint(orders.bp, url_prefix=API_PREFIX)
     app.register_blueprint(docs.bp, url_prefix=API_PREFIX)

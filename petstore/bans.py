@@ -11,7 +11,7 @@ from typing import Any
 from flask import current_app, g
 from limits import RateLimitItem
 
-from petstore import db
+from petstore import db, metrics
 from petstore.errors import APIError
 from petstore.overrides import PlanLimiter
 from petstore.plans import key_limits
@@ -63,6 +63,7 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
         log.exception("cannot count a strike against key %s", caller["id"])
         return
     if ban is not None:
+        metrics.ban_created()
         log.warning(
             "banned key %s for %s s after %s strikes", caller["id"], ban["seconds"], strikes
         )

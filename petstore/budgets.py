@@ -16,7 +16,7 @@ from flask import Flask, Response, current_app, g, request
 from flask_limiter.util import get_remote_address
 from limits import parse_many
 
-from petstore import bans, storages
+from petstore import bans, metrics, storages
 from petstore.config import ConfigError
 from petstore.errors import APIError
 from petstore.overrides import PlanLimiter
@@ -166,6 +166,7 @@ def init_app(app: Flask) -> None:
         in_memory_fallback_enabled=True,
     )
     limiter.init_app(app)
+    limiter.on_fallback = metrics.ratelimit_storage_failed  # type: ignore[method-assign]
     app.extensions["petstore.limiter"] = limiter
     app.extensions["petstore.ip_limits"] = tuple(sorted(parse_many(config["IP_LIMITS"])))
 

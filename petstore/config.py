@@ -172,6 +172,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_REDIS_TIMEOUT": ("REDIS_TIMEOUT", _float(0.01), 0.25),
     # Read by wsgi.py and deploy/gunicorn.conf.py for logging; checked here with the rest.
     "PETSTORE_LOG_LEVEL": ("LOG_LEVEL", _log_level, "INFO"),
+    # prometheus_client's own name: it reads the environment when imported (petstore.metrics).
+    "PROMETHEUS_MULTIPROC_DIR": ("METRICS_DIR", _str, None),
 }
 
 
@@ -199,4 +201,11 @@ def check(config: Mapping[str, Any]) -> None:
             "DATABASE_URL is not set: expected the libpq URL of the PostgreSQL database, "
             "such as postgresql://user:password@host:5432/dbname "
             "(or use `make run`, which starts an embedded one)"
+        )
+    metrics_dir = config.get("METRICS_DIR")
+    if metrics_dir and os.environ.get("PROMETHEUS_MULTIPROC_DIR") != metrics_dir:
+        # prometheus_client reads the environment once, when it is imported.
+        raise ConfigError(
+            "PROMETHEUS_MULTIPROC_DIR must be set in the environment before the service "
+            "starts (deploy/gunicorn.conf.py sets it); a setting passed later cannot move it"
         )

@@ -10,7 +10,7 @@ import psycopg_pool
 from flask import Flask, Response, current_app, json
 from werkzeug.exceptions import HTTPException
 
-from petstore import db
+from petstore import db, metrics
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ def handle_http_exception(error: HTTPException) -> Response:
 def handle_database_unavailable(error: Exception) -> Response:
     # Not a bug of ours: the database is down, restarting or too slow. Say so, briefly.
     log.warning("database unavailable: %s: %s", type(error).__name__, error)
+    metrics.database_unavailable(error)
     db.discard_broken_connections()
     return error_response(
         503,

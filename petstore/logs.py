@@ -18,7 +18,7 @@ log = logging.getLogger("petstore.access")
 
 # An incoming X-Request-ID is kept when it is this sane; anything else gets a new id.
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
-QUIET_PATHS = ("/healthz", "/readyz")
+QUIET_PATHS = ("/healthz", "/readyz", "/metrics")
 
 
 class JSONFormatter(logging.Formatter):

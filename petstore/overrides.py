@@ -50,6 +50,10 @@ class PlanLimiter(Limiter):
 
     next_storage_check = 0.0
 
+    @staticmethod
+    def on_fallback() -> None:
+        """Called once when a failing storage sends the counts to the in-memory fallback."""
+
     def init_app(self, app: Flask) -> None:
         super().init_app(app)
         detach_hooks(app, self)
@@ -72,6 +76,7 @@ class PlanLimiter(Limiter):
                 raise
             if not self._storage_dead:
                 log.warning("Rate limit storage unreachable - falling back to in-memory storage")
+                self.on_fallback()
                 self._storage_dead = True
                 self.next_storage_check = time.monotonic() + STORAGE_RECHECK_SECONDS
             return count_with(self.fallback, item, identifiers)

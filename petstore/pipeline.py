@@ -11,16 +11,18 @@ around a view.
 - require a key (auth): the 401 found by identify.
 - view: parses with a schema, runs one query function.
 - headers (budgets): X-RateLimit-* on every counted /v1 answer, errors included.
-- log (logs): the request id header and one JSON line.
+- log (logs): the request id header and one JSON line; metrics (metrics): the request tallied
+  by operation and status, with its latency.
 
-Paths outside /v1 (the health probes) only get the request id and the log line.
+Paths outside /v1 (the health probes, /metrics) only get the request id, the log line and
+the tally.
 """
 
 from __future__ import annotations
 
 from flask import Flask, Response, g, request
 
-from petstore import auth, bans, budgets, logs, web
+from petstore import auth, bans, budgets, logs, metrics, web
 from petstore.errors import DATABASE_UNAVAILABLE
 
 
@@ -49,6 +51,7 @@ def after_view(response: Response) -> Response:
     if web.in_api():
         budgets.set_headers(response)
     logs.finish_request(response)
+    metrics.observe_request(response)
     return response
 
 

@@ -70,13 +70,17 @@ def test_nginx_and_the_app_use_the_same_words(status: int) -> None:
     assert page_bodies()[f"/_nginx/{status}"][1]["message"] == errors.MESSAGES[status]
 
 
-def test_nginx_and_gunicorn_share_the_head_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nginx_and_gunicorn_share_the_head_limits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """nginx's header buffer (8 KB, with CRLF) holds exactly what gunicorn's limits let in."""
     # Loading the config calls use_json_refusals(): keep gunicorn's own write_error afterwards.
     monkeypatch.setattr(gunicorn.util, "write_error", gunicorn.util.write_error)
     monkeypatch.setenv("PETSTORE_DB_POOL_SIZE", "4")
     # The config checks every setting first; this one only needs to be there.
     monkeypatch.setenv("DATABASE_URL", "postgresql://petstore@127.0.0.1/petstore")
+    # Set here so that the config's own default (a new directory) does not outlive the test.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     settings = runpy.run_path(str(DEPLOY / "gunicorn.conf.py"))
     buffers = re.search(r"large_client_header_buffers (\d+) (\d+)k;", SITE)
     assert buffers, "no large_client_header_buffers in petstore.conf"

@@ -1,0 +1,435 @@
+"""Prometheus metrics: what the service counts, per request and per worker, and how /metrics reads it.
+
+Under gunicorn every worker is a process of its own, so prometheus_client runs in its multiprocess
+mode: each worker writes its numbers to files in PROMETHEUS_MULTIPROC_DIR and the worker that
+answers a scrape sums every worker's files (deploy/gunicorn.conf.py empties the directory at
+start and drops a dead worker's gauges). Without that setting the numbers are this process's
+own, which is right for one process (the tests, a single worker).
+
+Label values come from fixed sets only: operation ids, HTTP statuses, Error codes. Never a path,
+a key or anything else a client chooses.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import importlib.metadata
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import psycopg
+import psycopg_pool
+from flask import Flask, Response, current_app, g, json, request
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    values,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from petstore.config import ConfigError
+
+EXTENSION = "petstore.metrics"
+
+# Flask endpoint -> the operationId of petstore/openapi.py (or a name of our own outside /v1).
+# Anything else, unrouted requests (404, 405) included, is "unknown".
+OPERATIONS: dict[str | None, str] = {
+    "pets.list_pets": "listPets",
+    "pets.create_pet": "createPet",
+    "pets.get_pet": "getPet",
+    "orders.list_orders": "listOrders",
+    "docs.openapi_json": "openapi",
+    "docs.docs_page": "docs",
+    "docs.docs_asset": "docsAsset",
+    "health.healthz": "healthz",
+    "health.readyz": "readyz",
+    "metrics.scrape": "metrics",
+}
+UNKNOWN = "unknown"
+
+# The codes of a 429 (petstore/budgets.py, petstore/bans.py); any other body would be counted as "other".
+TOO_MANY_REQUESTS_CODES = frozenset({"rate_limited", "api_key_banned"})
+
+# Seconds. The service answers in 1 to 50 ms when healthy, so that range gets most bounds;
+# the rest catch pool waits (2 s), statement timeouts (5 s) and worse.
+LATENCY_BUCKETS = (
+    0.001,
+    0.002,
+    0.003,
+    0.004,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+# How often each worker writes its pool and limiter gauges (see Sampler).
+SAMPLE_SECONDS = 1.0
+
+# psycopg's "database unavailable" errors -> a fixed label, the most specific first.
+DATABASE_ERROR_KINDS: tuple[tuple[type[Exception], str], ...] = (
+    (psycopg_pool.PoolTimeout, "pool_timeout"),
+    (psycopg.errors.QueryCanceled, "statement_timeout"),
+    (psycopg.InterfaceError, "interface"),
+    (psycopg.OperationalError, "operational"),
+)
+
+
+def multiprocess_mode() -> bool:
+    """Whether prometheus_client writes to PROMETHEUS_MULTIPROC_DIR (decided when it was imported)."""
+    return bool(getattr(values.ValueClass, "_multiprocess", False))
+
+
+class Tally:
+    """This process's requests and latencies not yet written to prometheus_client.
+
+    In multiprocess mode every prometheus_client update is a locked write to a memory-mapped
+    file with a getpid() system call: three per request (a count, a bucket, a sum) cost about
+    25 µs of CPU on the benchmark machine. Here a request costs a lock and two dict updates;
+    flush() writes the totals, by the sampler every SAMPLE_SECONDS, at each scrape and at exit.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        # (endpoint, status) -> requests
+        self.requests: dict[tuple[str | None, int], int] = {}
+        # endpoint -> [observations in each bucket of LATENCY_BUCKETS, then +Inf, then the sum]
+        self.latency: dict[str | None, list[float]] = {}
+
+    def add(self, endpoint: str | None, status: int, seconds: float | None) -> None:
+        """One request (its latency, when known)."""
+        key = (endpoint, status)
+        with self.lock:
+            self.requests[key] = self.requests.get(key, 0) + 1
+            if seconds is None:
+                return
+            slots = self.latency.get(endpoint)
+            if slots is None:
+                slots = self.latency[endpoint] = [0.0] * (len(LATENCY_BUCKETS) + 2)
+            # The first bound at or above the value: "le" means less than or equal.
+            slots[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            slots[-1] += seconds
+
+    def take(
+        self,
+    ) -> tuple[dict[tuple[str | None, int], int], dict[str | None, list[float]]]:
+        """Everything tallied so far, leaving the tally empty."""
+        with self.lock:
+            taken = self.requests, self.latency
+            self.requests, self.latency = {}, {}
+        return taken
+
+
+@dataclass
+class Metrics:
+    """One app's metric objects and the tally of requests not yet written to them."""
+
+    requests: Counter
+    latency: Histogram
+    too_many_requests: Counter
+    bans_created: Counter
+    idempotent_replays: Counter
+    database_errors: Counter
+    ratelimit_storage_errors: Counter
+    ratelimit_fallback: Gauge
+    pool_size: Gauge
+    pool_in_use: Gauge
+    pool_waiting: Gauge
+    build_info: Gauge
+    registry: CollectorRegistry
+    tally: Tally = field(default_factory=Tally)
+
+    def flush(self) -> None:
+        """Write the tallied requests and latencies to prometheus_client."""
+        requests, latency = self.tally.take()
+        for (endpoint, status), count in requests.items():
+            operation = OPERATIONS.get(endpoint, UNKNOWN)
+            self.requests.labels(operation=operation, status=str(status)).inc(count)
+        for endpoint, slots in latency.items():
+            histogram = self.latency.labels(operation=OPERATIONS.get(endpoint, UNKNOWN))
+            # Histogram.observe() takes one value at a time; its bucket counters and sum take
+            # any amount (prometheus_client keeps a bucket's own count and adds them up when read).
+            # Private attributes of the pinned prometheus-client: tests/app/test_metrics.py checks
+            # that a flush reads exactly as the same observe() calls would.
+            for bucket, observed in zip(histogram._buckets, slots[:-1], strict=True):
+                if observed:
+                    bucket.inc(observed)
+            histogram._sum.inc(slots[-1])
+
+    def all(self) -> Iterator[Counter | Gauge | Histogram]:
+        """Every metric object, to register in a one-process registry."""
+        yield from (
+            self.requests,
+            self.latency,
+            self.too_many_requests,
+            self.bans_created,
+            self.idempotent_replays,
+            self.database_errors,
+            self.ratelimit_storage_errors,
+            self.ratelimit_fallback,
+            self.pool_size,
+            self.pool_in_use,
+            self.pool_waiting,
+            self.build_info,
+        )
+
+
+def build() -> Metrics:
+    """The metric objects, not registered anywhere (init_app decides how a scrape reads them).
+
+    Gauges are per worker and summed over the live ones ("livesum"): a dead worker's files are
+    dropped by gunicorn's child_exit hook, so its last pool numbers do not linger in the sum.
+    """
+    requests = Counter(
+        "petstore_http_requests",
+        "Requests answered, by operation id and HTTP status.",
+        ["operation", "status"],
+        registry=None,
+    )
+    latency = Histogram(
+        "petstore_http_request_duration_seconds",
+        "Time from the first request hook to the response, by operation id.",
+        ["operation"],
+        buckets=LATENCY_BUCKETS,
+        registry=None,
+    )
+    too_many_requests = Counter(
+        "petstore_too_many_requests",
+        "429 answers by Error code: rate_limited (budget spent) or api_key_banned.",
+        ["code"],
+        registry=None,
+    )
+    database_errors = Counter(
+        "petstore_database_errors",
+        "Requests answered 503 because PostgreSQL was unavailable, by kind of error.",
+        ["kind"],
+        registry=None,
+    )
+    metrics = Metrics(
+        requests=requests,
+        latency=latency,
+        too_many_requests=too_many_requests,
+        bans_created=Counter(
+            "petstore_bans_created", "Keys banned for calling on after 429s.", registry=None
+        ),
+        idempotent_replays=Counter(
+            "petstore_idempotent_replays",
+            "createPet answers replayed for a repeated Idempotency-Key.",
+            registry=None,
+        ),
+        database_errors=database_errors,
+        ratelimit_storage_errors=Counter(
+            "petstore_ratelimit_storage_errors",
+            "Failures of the rate limit storage (Redis) that sent a worker's limiter to its "
+            "in-memory fallback.",
+            registry=None,
+        ),
+        ratelimit_fallback=Gauge(
+            "petstore_ratelimit_storage_fallback",
+            "Workers whose limiter counts in memory because its storage (Redis) failed.",
+            registry=None,
+            multiprocess_mode="livesum",
+        ),
+        pool_size=Gauge(
+            "petstore_db_pool_size",
+            "PostgreSQL connections the workers' pools hold (in use or idle).",
+            registry=None,
+            multiprocess_mode="livesum",
+        ),
+        pool_in_use=Gauge(
+            "petstore_db_pool_connections_in_use",
+            "PostgreSQL connections lent to requests (or being opened) right now.",
+            registry=None,
+            multiprocess_mode="livesum",
+        ),
+        pool_waiting=Gauge(
+            "petstore_db_pool_requests_waiting",
+            "Requests waiting for a PostgreSQL connection right now.",
+            registry=None,
+            multiprocess_mode="livesum",
+        ),
+        build_info=Gauge(
+            "petstore_build_info",
+            "Always 1: the service version and the sunset date of getPet, as labels.",
+            ["version", "getpet_sunset"],
+            registry=None,
+            multiprocess_mode="livemax",
+        ),
+        registry=CollectorRegistry(auto_describe=True),
+    )
+    # Known series start at zero, so that rate() and increase() see their first increment.
+    for operation in sorted({*OPERATIONS.values(), UNKNOWN}):
+        latency.labels(operation=operation)
+    for code in sorted(TOO_MANY_REQUESTS_CODES):
+        too_many_requests.labels(code=code)
+    for _error, kind in DATABASE_ERROR_KINDS:
+        database_errors.labels(kind=kind)
+    return metrics
+
+
+def get_metrics() -> Metrics:
+    """The metrics of the current app."""
+    metrics: Metrics = current_app.extensions[EXTENSION]
+    return metrics
+
+
+def observe_request(response: Response) -> Response:
+    """Count the request and its latency by operation and status; note 429 codes and replays.
+
+    The one per-request call (petstore.pipeline.after_view): it reads what the request left
+    (its endpoint, g.started from petstore.logs.start_request) and the response, and changes
+    neither. It only tallies
+    (see Tally): a few µs.
+    """
+    metrics: Metrics = current_app.extensions[EXTENSION]
+    status = response.status_code
+    started = g.get("started")
+    metrics.tally.add(
+        request.endpoint, status, None if started is None else time.perf_counter() - started
+    )
+    if status == 429:
+        metrics.too_many_requests.labels(code=too_many_requests_code(response)).inc()
+    elif status == 201 and response.headers.get("Idempotent-Replayed") == "true":
+        metrics.idempotent_replays.inc()
+    return response
+
+
+def too_many_requests_code(response: Response) -> str:
+    """The Error code of a 429 answer, from the fixed set (anything else is "other")."""
+    try:
+        code = json.loads(response.get_data()).get("code")
+    except (ValueError, AttributeError):
+        return "other"
+    return code if code in TOO_MANY_REQUESTS_CODES else "other"
+
+
+def ban_created() -> None:
+    """A key was banned (petstore.bans.strike)."""
+    get_metrics().bans_created.inc()
+
+
+def database_unavailable(error: BaseException) -> None:
+    """A request failed because PostgreSQL was unavailable (petstore.errors)."""
+    kind = next((name for cls, name in DATABASE_ERROR_KINDS if isinstance(error, cls)), "other")
+    get_metrics().database_errors.labels(kind=kind).inc()
+
+
+def ratelimit_storage_failed() -> None:
+    """The limiter's storage failed and this worker now counts in memory (petstore.overrides.PlanLimiter.count)."""
+    get_metrics().ratelimit_storage_errors.inc()
+
+
+def sample(app: Flask) -> None:
+    """Write this worker's tally and gauges: its pool's size, connections in use, waiting requests, fallback."""
+    metrics: Metrics = app.extensions[EXTENSION]
+    metrics.flush()
+    pool = app.extensions.get("petstore.pool")
+    if pool is not None and not pool.closed:
+        stats = pool.get_stats()
+        metrics.pool_size.set(stats["pool_size"])
+        metrics.pool_in_use.set(stats["pool_size"] - stats["pool_available"])
+        metrics.pool_waiting.set(stats.get("requests_waiting", 0))
+    limiter = app.extensions.get("petstore.limiter")
+    metrics.ratelimit_fallback.set(1 if limiter is not None and limiter.storage_dead else 0)
+
+
+class Sampler(threading.Thread):
+    """Writes one worker's tally and gauges every SAMPLE_SECONDS, until its pool is closed.
+
+    In multiprocess mode a scrape is answered by one worker, which reads every worker's files:
+    sampling at scrape time would refresh only the answering worker's numbers, and the others'
+    would stay as they were at their last scrape. Sampling on each request would cost every
+    request, count the request's own connection as in use, and leave an idle worker's numbers
+    stale. So each worker samples itself, off the request path: a scrape sees numbers at most
+    SAMPLE_SECONDS old.
+    """
+
+    def __init__(self, app: Flask) -> None:
+        super().__init__(name="petstore-metrics-sampler", daemon=True)
+        # A weak reference: an app dropped by its owner (tests) ends its sampler.
+        self.app = weakref.ref(app)
+
+    def run(self) -> None:
+        while True:
+            app = self.app()
+            if app is None:
+                return
+            pool = app.extensions.get("petstore.pool")
+            if pool is not None and pool.closed:
+                return
+            try:
+                sample(app)
+            except Exception:
+                app.logger.exception("cannot sample the pool and limiter gauges")
+            del app
+            time.sleep(SAMPLE_SECONDS)
+
+
+def metrics_response() -> Response:
+    """The Prometheus text format of every worker's numbers (or this process's)."""
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    metrics: Metrics = app.extensions[EXTENSION]
+    # This worker's own numbers are fresh at least; the others' are at most SAMPLE_SECONDS old.
+    sample(app)
+    return current_app.response_class(
+        generate_latest(metrics.registry), mimetype=None, content_type=CONTENT_TYPE_LATEST
+    )
+
+
+def service_version() -> str:
+    """The installed distribution's version (setup.cfg)."""
+    try:
+        return importlib.metadata.version("petstore")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def init_app(app: Flask) -> None:
+    """Create the app's metrics, the registry a scrape reads and, with several workers, a sampler."""
+    directory = app.config["METRICS_DIR"]
+    metrics = build()
+    if directory:
+        if not multiprocess_mode():
+            # config.check saw the variable set: prometheus_client was imported before it was.
+            raise ConfigError(
+                "PROMETHEUS_MULTIPROC_DIR was set after prometheus_client was imported: set it "
+                "in the environment of the service, before it starts"
+            )
+        # deploy/gunicorn.conf.py makes it (and empties it) before the workers start.
+        os.makedirs(directory, exist_ok=True)
+        MultiProcessCollector(metrics.registry, path=directory)  # type: ignore[no-untyped-call]
+    else:
+        # The _created series exist in one-process mode only; leave them out so both read alike.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
+        for metric in metrics.all():
+            metrics.registry.register(metric)
+    sunset = time.strftime("%Y-%m-%d", time.gmtime(app.config["SUNSET"]))
+    metrics.build_info.labels(version=service_version(), getpet_sunset=sunset).set(1)
+    app.extensions[EXTENSION] = metrics
+    if directory:
+        Sampler(app).start()
+        # A worker that stops (SIGTERM, max_requests) writes its last second; a killed one loses it.
+        atexit.register(metrics.flush)
