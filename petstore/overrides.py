@@ -114,12 +114,18 @@ class PlanLimiter(Limiter):
             self._storage_dead = False
 
 
+@functools.lru_cache(maxsize=4096)
+def storage_key(item: RateLimitItem, identifiers: tuple[str, ...]) -> str:
+    """`item.key_for(*identifiers)`, made once per key and limit rather than once per request."""
+    return item.key_for(*identifiers)
+
+
 def count_with(
     strategy: RateLimiter, item: RateLimitItem, identifiers: tuple[str, ...]
 ) -> tuple[bool, int, float]:
     """(within the limit, remaining, reset time) after counting one request with `strategy`."""
     if type(strategy) is FixedWindowRateLimiter:
-        key = item.key_for(*identifiers)
+        key = storage_key(item, identifiers)
         count = strategy.storage.incr(key, item.get_expiry())
         return count <= item.amount, max(0, item.amount - count), strategy.storage.get_expiry(key)
     allowed = strategy.hit(item, *identifiers)
