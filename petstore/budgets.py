@@ -59,7 +59,6 @@ def count(caller: Mapping[str, Any] | None) -> None:
         return
     who, limits = budget_of(caller)
     prefix = current_app.config["RATELIMIT_STRATEGY"]
-    limiter.forget_counts()
     shown: tuple[int, int, int] | None = None
     for limit in limits:
         allowed, remaining, reset = limiter.count(limit, prefix, who, SCOPE)

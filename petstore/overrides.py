@@ -62,7 +62,7 @@ class PlanLimiter(Limiter):
         """Count one request against `item`: (within the limit, remaining, reset time).
 
         The fixed window, the default strategy, is counted with one increment of its storage key
-        and its expiry read back (no round trip on our storages); the other strategies through
+        that also tells when the window ends (one round trip on our storages); the other strategies through
         their `hit` and `get_window_stats`. A storage that fails sends this and every later count
         to the in-memory fallback, until the storage answers its check again (at most one check
         per STORAGE_RECHECK_SECONDS).
@@ -80,12 +80,6 @@ class PlanLimiter(Limiter):
                 self._storage_dead = True
                 self.next_storage_check = time.monotonic() + STORAGE_RECHECK_SECONDS
             return count_with(self.fallback, item, identifiers)
-
-    def forget_counts(self) -> None:
-        """Let the storage drop what it remembered of this thread's last request (redis://)."""
-        forget = getattr(self.storage, "forget", None)
-        if forget is not None:
-            forget()
 
     @property
     def fallback(self) -> RateLimiter:
@@ -126,8 +120,14 @@ def count_with(
     """(within the limit, remaining, reset time) after counting one request with `strategy`."""
     if type(strategy) is FixedWindowRateLimiter:
         key = storage_key(item, identifiers)
-        count = strategy.storage.incr(key, item.get_expiry())
-        return count <= item.amount, max(0, item.amount - count), strategy.storage.get_expiry(key)
+        storage = strategy.storage
+        # Ours (petstore.storages) count and tell the window's end at once.
+        incr_with_expiry = getattr(storage, "incr_with_expiry", None)
+        if incr_with_expiry is not None:
+            count, reset = incr_with_expiry(key, item.get_expiry())
+        else:
+            count, reset = storage.incr(key, item.get_expiry()), storage.get_expiry(key)
+        return count <= item.amount, max(0, item.amount - count), reset
     allowed = strategy.hit(item, *identifiers)
     reset, remaining = strategy.get_window_stats(item, *identifiers)
     return allowed, remaining, reset

@@ -1,12 +1,12 @@
 """Limiter storages tuned for this service's request path, chosen by `storage_uri()`.
 
-flask-limiter counts a request with one increment per limit; then the X-RateLimit-* header
-policy reads each limit's count and expiry back. Two changes to the `limits` storages, found
-by profiling the request path:
+The pipeline counts a request with one increment per limit (petstore.overrides.count_with)
+and shows the limit nearest to running out in X-RateLimit-*, so it needs each window's count
+and end. Two changes to the `limits` storages, found by profiling the request path:
 
-- Redis: the increment returns the count and the time to live in the same Lua call, and they
-  are kept for the rest of the request (per thread), so the header policy needs no more
-  round trips: two per request instead of six.
+- Both: `incr_with_expiry` returns the count and the window's end together: on Redis in the
+  same Lua call (two round trips per request, one per limit), in memory under one lock and
+  without limits' error-wrapping layers around each of incr, get and get_expiry.
 - Memory: limits' MemoryStorage starts a timer thread whenever its last one has finished,
   which under steady traffic means a new thread every few requests. Expired windows are
   already dropped when read; this one also sweeps the rest once a minute, in line.
@@ -14,7 +14,6 @@ by profiling the request path:
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -48,44 +47,24 @@ def storage_uri(configured: str) -> str:
 
 
 class CountingRedisStorage(RedisStorage):
-    """redis:// that remembers each key's count and expiry after an increment, per thread."""
+    """redis:// whose increment also returns the window's expiry, in the same round trip."""
 
     STORAGE_SCHEME = ["petstore+redis", "petstore+rediss"]
 
     def __init__(self, uri: str, **options: Any) -> None:
         super().__init__(uri.removeprefix(SCHEME_PREFIX), **options)
-        self.seen = threading.local()
 
     def initialize_storage(self, uri: str) -> None:
         super().initialize_storage(uri)
         self.lua_incr_expire_ttl = self.get_connection().register_script(INCR_EXPIRE_TTL)
 
-    def forget(self, exc: BaseException | None = None) -> None:
-        """Drop what this thread remembered: called when a request ends."""
-        self.seen.counts = {}
-
-    def remembered(self, key: str) -> tuple[int, float] | None:
-        counts: dict[str, tuple[int, float]] = getattr(self.seen, "counts", {})
-        return counts.get(key)
+    def incr_with_expiry(self, key: str, expiry: int, amount: int = 1) -> tuple[int, float]:
+        """Add `amount` to the key's window (started with `expiry` s when new): (count, end)."""
+        count, ttl_ms = self.lua_incr_expire_ttl([self.prefixed_key(key)], [expiry, amount])
+        return int(count), time.time() + max(int(ttl_ms), 0) / 1000
 
     def incr(self, key: str, expiry: int, amount: int = 1) -> int:
-        count, ttl_ms = self.lua_incr_expire_ttl([self.prefixed_key(key)], [expiry, amount])
-        if getattr(self.seen, "counts", None) is None:
-            self.seen.counts = {}
-        self.seen.counts[key] = (int(count), time.time() + max(int(ttl_ms), 0) / 1000)
-        return int(count)
-
-    def get(self, key: str) -> int:
-        remembered = self.remembered(key)
-        return remembered[0] if remembered else super().get(key)
-
-    def get_expiry(self, key: str) -> float:
-        remembered = self.remembered(key)
-        return remembered[1] if remembered else super().get_expiry(key)
-
-    def clear(self, key: str) -> None:
-        getattr(self.seen, "counts", {}).pop(key, None)
-        super().clear(key)
+        return self.incr_with_expiry(key, expiry, amount)[0]
 
 
 class SweepingMemoryStorage(MemoryStorage):
@@ -97,16 +76,20 @@ class SweepingMemoryStorage(MemoryStorage):
         super().__init__(uri, **options)
         self.next_sweep = time.time() + SWEEP_SECONDS
 
-    def incr(self, key: str, expiry: float, amount: int = 1) -> int:
+    def incr_with_expiry(self, key: str, expiry: float, amount: int = 1) -> tuple[int, float]:
+        """Add `amount` to the key's window (started with `expiry` s when new): (count, end)."""
         now = time.time()
         if now >= self.next_sweep:
             self.sweep(now)
-        self.get(key)  # drops the key if its window has ended
         with self.locks[key]:
-            self.storage[key] += amount
-            if self.storage[key] == amount:
+            if self.expirations.get(key, 0) <= now:  # no window yet, or it has ended
+                self.storage[key] = 0
                 self.expirations[key] = now + expiry
-            return self.storage[key]
+            count = self.storage[key] = self.storage[key] + amount
+            return count, self.expirations[key]
+
+    def incr(self, key: str, expiry: float, amount: int = 1) -> int:
+        return self.incr_with_expiry(key, expiry, amount)[0]
 
     def sweep(self, now: float) -> None:
         """Forget every window that has ended."""

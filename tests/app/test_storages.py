@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -44,33 +43,30 @@ def counting(redis_url: str) -> storages.CountingRedisStorage:
     return storages.CountingRedisStorage("petstore+" + redis_url)
 
 
-def test_redis_increment_remembers_count_and_expiry(
+def test_redis_increment_tells_count_and_expiry_in_one_call(
     counting: storages.CountingRedisStorage, redis_url: str
 ) -> None:
-    assert [counting.incr("k", 60) for _ in range(3)] == [1, 2, 3]
+    counted = [counting.incr_with_expiry("k", 60) for _ in range(3)]
+    assert [count for count, _ in counted] == [1, 2, 3]
+    ends = [end for _, end in counted]
+    assert time.time() + 58 < ends[0] <= time.time() + 60
+    assert max(ends) - min(ends) < 1, "one window, one end"
+    # What it tells is what Redis holds: limits' own reads agree.
     assert counting.get("k") == 3
-    expiry = counting.get_expiry("k")
-    assert time.time() + 58 < expiry <= time.time() + 60
-    # What it remembers is what Redis holds: a fresh read agrees.
-    counting.forget()
-    assert counting.get("k") == 3
-    assert abs(counting.get_expiry("k") - expiry) < 2
+    assert abs(counting.get_expiry("k") - ends[-1]) < 2
     server = redis.Redis.from_url(redis_url)
     assert 58 <= server.ttl("LIMITS:k") <= 60
-
-
-def test_redis_memory_is_per_thread_and_ends_with_the_request(
-    counting: storages.CountingRedisStorage, redis_url: str
-) -> None:
-    counting.incr("k", 60)
-    redis.Redis.from_url(redis_url).set("LIMITS:k", 10, keepttl=True)
-    assert counting.get("k") == 1  # this request's own count, no round trip
-    seen_elsewhere: list[int] = []
-    other = threading.Thread(target=lambda: seen_elsewhere.append(counting.get("k")))
-    other.start()
-    other.join(timeout=10)
-    assert seen_elsewhere == [10]
-    counting.forget()
-    assert counting.get("k") == 10
+    assert counting.incr("k", 60) == 4
     counting.clear("k")
     assert counting.get("k") == 0
+
+
+def test_memory_increment_tells_count_and_expiry_in_one_call() -> None:
+    memory = storages.SweepingMemoryStorage()
+    first = memory.incr_with_expiry("k", 1)
+    assert first[0] == 1 and time.time() < first[1] <= time.time() + 1
+    assert memory.incr_with_expiry("k", 1) == (2, first[1])
+    assert (memory.get("k"), memory.get_expiry("k")) == (2, first[1])
+    time.sleep(1.05)
+    count, end = memory.incr_with_expiry("k", 1)
+    assert count == 1 and end > first[1], "a new window after the old one ended"
