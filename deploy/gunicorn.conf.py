@@ -25,9 +25,10 @@ workers = int(
     _env("WEB_CONCURRENCY", str(2 * multiprocessing.cpu_count() if _shared_storage else 1))
 )
 
+# GUNICORN_WORKER_CLASS: gthread (threads per worker) or sync (one request at a time per worker).
+worker_class = _env("GUNICORN_WORKER_CLASS", "gthread")
 # PETSTORE_THREADS: threads per worker; each thread may hold one pooled connection, so the
 # pool is sized to match unless PETSTORE_DB_POOL_SIZE says otherwise.
-worker_class = "gthread"
 threads = int(_env("PETSTORE_THREADS", "4"))
 os.environ.setdefault("PETSTORE_DB_POOL_SIZE", str(threads))
 

@@ -216,7 +216,9 @@ def init_app(app: Flask) -> None:
         rate_limit_key,
         application_limits=[caller_limits],
         strategy=config["RATELIMIT_STRATEGY"],
-        storage_uri=storages.storage_uri(config["RATELIMIT_STORAGE_URI"]),
+        storage_uri=storages.storage_uri(
+            config["RATELIMIT_STORAGE_URI"], config.get("RATELIMIT_TUNED_STORAGES", True)
+        ),
         storage_options=storage_options(config),
         # Strategy in every storage key: switching strategy never reads the other's counters.
         key_prefix=config["RATELIMIT_STRATEGY"],

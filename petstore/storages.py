@@ -33,9 +33,9 @@ SCHEME_PREFIX = "petstore+"
 SWEEP_SECONDS = 60.0
 
 
-def storage_uri(configured: str) -> str:
-    """The URI flask-limiter gets for RATELIMIT_STORAGE_URI: ours for redis and memory."""
-    if configured.startswith(("redis://", "rediss://", "memory://")):
+def storage_uri(configured: str, tuned: bool = True) -> str:
+    """The URI flask-limiter gets for RATELIMIT_STORAGE_URI: ours for redis and memory, if `tuned`."""
+    if tuned and configured.startswith(("redis://", "rediss://", "memory://")):
         return SCHEME_PREFIX + configured
     return configured
 
