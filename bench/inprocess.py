@@ -94,11 +94,14 @@ def caller(app: Flask, key: str) -> Callable[[], int]:
     environ = EnvironBuilder(path=PATH, headers=[("Authorization", f"Bearer {key}")]).get_environ()
     statuses: list[str] = []
 
+    def write(data: bytes) -> None:
+        """WSGI's write(), which no app here uses."""
+
     def start_response(
         status: str, headers: list[tuple[str, str]], exc_info: Any = None
     ) -> Callable[[bytes], object]:
         statuses.append(status)
-        return len  # the write() callable nobody here uses
+        return write
 
     def call() -> int:
         statuses.clear()
