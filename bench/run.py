@@ -9,7 +9,7 @@ off) and the serving configurations (--configs); at the largest, the cost agains
 Then the in-process per-request budget (bench/inprocess.py). The report goes to stdout and to
 bench/results/<date>-<host>.md, with a PNG per size and bench/results/summary.png.
 
-    .venv/bin/python bench/run.py [--database-url URL] [--sizes 10000,1000000] [--duration 2]
+    .venv/bin/python bench/run.py [--database-url URL] [--sizes 10000,1000000] [--rounds 8]
     .venv/bin/python bench/run.py --in-process-only      # the budget table alone, in a minute
 
 Without --database-url (or DATABASE_URL) it starts the embedded PostgreSQL under var/bench-postgres
@@ -66,6 +66,7 @@ LOG_DIR = ROOT / "var" / "bench-logs"
 EMBEDDED_DIR = ROOT / "var" / "bench-postgres"
 PAGE = 1000  # the deep page of the paging scenario and of the size check
 PAGE_LIMIT = 20
+SIZE_ROUNDS = 5  # at most, of the cost against table size
 # Seeded statuses, in turn: 40% available, 20% pending, 20% sold, 20% not stated (NULL).
 STATUSES = ("available", "pending", "available", "sold", None)
 # The service with flask-limiter switched off; gunicorn calls the factory (literal arguments only).
@@ -404,7 +405,7 @@ def check_sizes(
     """
     rounds: dict[tuple[str, str], list[Measure]] = {}
     chosen = (MEMORY[0], MEMORY[2])
-    for _round in range(args.rounds):
+    for _round in range(min(args.rounds, SIZE_ROUNDS)):
         for check in size_checks(table):
             for server in chosen:
                 measure = run_wrk(targets[server], check, 1, 1, 1, pool_backends(conn))
@@ -584,9 +585,11 @@ def parse_args() -> argparse.Namespace:
         help="pets in the table, comma-separated (default 10000,1000000); redis:// and the "
         "serving configurations run at the first size only",
     )
-    parser.add_argument("--duration", type=int, default=2, help="seconds per round (default 2)")
+    # Short rounds, many of them: background load comes and goes, and a ratio's median over
+    # many short interleaved rounds moves less than over a few long ones in the same time.
+    parser.add_argument("--duration", type=int, default=1, help="seconds per round (default 1)")
     parser.add_argument(
-        "--rounds", type=int, default=4, help="interleaved rounds per scenario (default 4)"
+        "--rounds", type=int, default=8, help="interleaved rounds per scenario (default 8)"
     )
     parser.add_argument("--warmup", type=int, default=2, help="seconds of warm-up per server")
     parser.add_argument("--connections", type=int, default=8, help="wrk connections (default 8)")
@@ -598,7 +601,7 @@ def parse_args() -> argparse.Namespace:
         help="run the serving configurations table (default: on)",
     )
     parser.add_argument(
-        "--config-rounds", type=int, default=2, help="rounds of the configurations (default 2)"
+        "--config-rounds", type=int, default=4, help="rounds of the configurations (default 4)"
     )
     parser.add_argument(
         "--in-process-only",
