@@ -5,16 +5,18 @@ the service's query, run the service's SQL for the operation (the functions of p
 write the same JSON and headers, on a pool made as the service makes its own (petstore.db.open_pool).
 Served by the same gunicorn config as the service:
 
-    gunicorn -c deploy/gunicorn.conf.py --pythonpath bench floor:app
+    gunicorn -c deploy/gunicorn.conf.py --pythonpath bench 'floor:create_floor()'
 """
 
 from __future__ import annotations
 
 import email.utils
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
+
+from psycopg_pool import ConnectionPool
 
 from petstore import config, db
 from petstore.auth import hash_key
@@ -51,11 +53,16 @@ def error(start_response: StartResponse, code: int, reason: str) -> list[bytes]:
     return respond(start_response, f"{code} {reason.upper()}", body)
 
 
-def create_floor() -> WSGIApp:
-    """The floor WSGI app, with its own pool (created in each worker: gunicorn imports us after fork)."""
-    settings = config.from_environ()
+def create_floor(
+    settings: Mapping[str, Any] | None = None, pool: ConnectionPool[db.Connection] | None = None
+) -> WSGIApp:
+    """The floor WSGI app: settings from the environment unless given, its own pool unless given.
+
+    gunicorn calls it in each worker (`floor:create_floor()`), after the fork.
+    """
+    settings = config.from_environ() if settings is None else settings
     config.check(settings)
-    pool = db.open_pool(settings, name="floor")
+    pool = db.open_pool(settings, name="floor") if pool is None else pool
     get_pet_headers = [
         ("Deprecation", f"@{settings['DEPRECATED_AT']}"),
         ("Sunset", email.utils.formatdate(settings["SUNSET"], usegmt=True)),
@@ -127,6 +134,3 @@ def create_floor() -> WSGIApp:
         return error(sr, 404, "not_found")
 
     return app
-
-
-app = create_floor()

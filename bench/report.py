@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -256,26 +257,75 @@ def size_table(run: Run, service: str, floor: str) -> list[str]:
 
 def stability(run: Run) -> str:
     """How far the medians of service ÷ Flask floor moved between the halves of the rounds."""
-    moves = []
-    for _title, servers in run.groups:
-        for size, name in group_rows(run, servers):
-            found = ratio(
-                run.rounds.get((size, servers[0].label, name), []),
-                run.rounds.get((size, servers[1].label, name), []),
+    sentences = []
+    for what, ratio_of in (
+        ("service ÷ bare-Flask floor (requests/s)", ratio),
+        ("its CPU-based counterpart (Flask floor app µs ÷ service app µs)", cpu_ratio),
+    ):
+        moves = []
+        for _title, servers in run.groups:
+            for size, name in group_rows(run, servers):
+                found = ratio_of(
+                    run.rounds.get((size, servers[0].label, name), []),
+                    run.rounds.get((size, servers[1].label, name), []),
+                )
+                moved = found.moved() if found else None
+                if moved is not None:
+                    moves.append((moved, f"{servers[0].storage}://, {size:,} pets, {name}"))
+        if not moves:
+            return "Stability: too few rounds to split into halves."
+        moves.sort()
+        under = sum(1 for moved, _where in moves if moved < 0.05)
+        sentences.append(
+            f"the median of {what} moved by {statistics.median(m for m, _w in moves):.1%} "
+            f"(median over the {len(moves)} ratios), by less than 5% in {under} of "
+            f"{len(moves)}, at most {moves[-1][0]:.1%} ({moves[-1][1]})"
+        )
+    return f"Stability, with the rounds split into two halves: {'; '.join(sentences)}."
+
+
+HEADLINE = "**service ÷ Flask floor**"
+PREVIOUS = "<the comparison with the previous report>"
+
+
+def headline_ratios(text: str) -> dict[tuple[str, str, str], float]:
+    """The medians of service ÷ Flask floor in a report: (storage, pets, scenario) -> median."""
+    found: dict[tuple[str, str, str], float] = {}
+    storage, column = "", None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            storage, column = line[3:].split(" ", 1)[0], None
+        elif line.startswith("| pets |") and HEADLINE in line:
+            column = [cell.strip() for cell in line.split("|")].index(
+                next(c.strip() for c in line.split("|") if HEADLINE in c)
             )
-            moved = found.moved() if found else None
-            if moved is not None:
-                moves.append((moved, f"{servers[0].storage}://, {size:,} pets, {name}"))
+        elif column is not None and line.startswith("| ") and "**" in line:
+            cells = [cell.strip() for cell in line.split("|")]
+            with contextlib.suppress(ValueError, IndexError):
+                median = float(cells[column].split("**")[1])
+                found[(storage, cells[1], cells[2])] = median
+    return found
+
+
+def against_previous(text: str, previous: Path | None) -> str:
+    """How far the medians of service ÷ Flask floor moved since the previous report."""
+    if previous is None:
+        return "No earlier report with the bare-Flask floor in this directory to compare with."
+    before, now = headline_ratios(previous.read_text()), headline_ratios(text)
+    moves = sorted(
+        (abs(now[row] - before[row]) / before[row], row)
+        for row in now.keys() & before.keys()
+        if before[row]
+    )
     if not moves:
-        return "Too few rounds to split into halves."
-    moves.sort()
-    under = sum(1 for moved, _where in moves if moved < 0.05)
-    worst = moves[-1]
+        return f"No row in common with the previous report ({previous.name})."
+    under = sum(1 for moved, _row in moves if moved < 0.05)
+    worst, (storage, pets, name) = moves[-1]
     return (
-        f"Stability: the rounds split into two halves, the median of service ÷ bare-Flask floor "
-        f"moved by {statistics.median(m for m, _w in moves):.1%} (median over the "
-        f"{len(moves)} ratios), by less than 5% in {under} of {len(moves)}, at most "
-        f"{worst[0]:.1%} ({worst[1]})."
+        f"Against the previous report ({previous.name}), the median of service ÷ bare-Flask "
+        f"floor moved by {statistics.median(m for m, _r in moves):.1%} (median over the "
+        f"{len(moves)} ratios in both), by less than 5% in {under} of {len(moves)}, at most "
+        f"{worst:.1%} ({storage} {pets} pets, {name})."
     )
 
 
@@ -285,6 +335,7 @@ def render(
     settings: dict[str, str],
     wall: float,
     pictures: list[Path],
+    previous: Path | None = None,
 ) -> str:
     """The Markdown report."""
     out = [
@@ -319,6 +370,8 @@ def render(
         + ", then `Link: rel=next`.",
         "",
         stability(run),
+        "",
+        PREVIOUS,
         "",
         *(f"![{picture.stem}]({picture.name})" for picture in pictures),
         "",
@@ -402,7 +455,8 @@ def render(
         "```",
         "",
     ]
-    return "\n".join(out)
+    text = "\n".join(out)
+    return text.replace(PREVIOUS, against_previous(text, previous))
 
 
 # --- plots -------------------------------------------------------------------------------------
@@ -474,6 +528,21 @@ def plot_summary(run: Run, path: Path) -> Path:
             capsize=3,
             label=f"{servers[0].label} ÷ {servers[1].label}",
         )
+        by_cpu = [
+            cpu_ratio(
+                run.rounds.get((size, servers[0].label, n), []),
+                run.rounds.get((size, servers[1].label, n), []),
+            )
+            for n in names
+        ]
+        axes.plot(
+            positions,
+            [each.median if each else float("nan") for each in by_cpu],
+            "D",
+            color="black",
+            markersize=5,
+            label="CPU-based: Flask floor app µs ÷ service app µs" if not index else None,
+        )
     for x, name in enumerate(names):
         axes.hlines(target_of(name), x - 0.45, x + 0.45, colors="black", linestyles="dashed")
     axes.axhline(1.0, color="grey", linewidth=0.8)
@@ -481,7 +550,7 @@ def plot_summary(run: Run, path: Path) -> Path:
     axes.set_ylabel("service ÷ bare-Flask floor, requests/s")
     axes.set_title(
         f"The service against the bare-Flask floor, {size:,} pets "
-        "(median, min–max over rounds; dashed: target)"
+        "(bars: median, min–max over rounds; dashed: target)"
     )
     axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2)
     axes.grid(axis="y", alpha=0.3)

@@ -57,7 +57,17 @@ from measure import (
 )
 from psycopg import conninfo, sql
 from psycopg.rows import dict_row
-from report import FLASK_FLOOR, RAW_FLOOR, SERVICE, Run, Server, plot_size, plot_summary, render
+from report import (
+    FLASK_FLOOR,
+    HEADLINE,
+    RAW_FLOOR,
+    SERVICE,
+    Run,
+    Server,
+    plot_size,
+    plot_summary,
+    render,
+)
 
 from petstore import auth, config, db
 from petstore.queries import pets
@@ -180,7 +190,7 @@ def server_env(server: Server, database_url: str, redis_url: str) -> dict[str, s
 def server_app(server: Server) -> list[str]:
     """gunicorn's app argument (and the path it needs) for a server."""
     if server.app == RAW_FLOOR:
-        return ["--pythonpath", "bench", "floor:app"]
+        return ["--pythonpath", "bench", "floor:create_floor()"]
     if server.app == FLASK_FLOOR:
         return ["--pythonpath", "bench", "flask_floor:create_flask_floor()"]
     if "limiter" in server.without:
@@ -723,12 +733,20 @@ def write_report(args: argparse.Namespace, run: Run, facts: dict[str, str]) -> N
         "size_service": MEMORY[0].label,
         "size_floor": MEMORY[2].label,
     }
-    report = render(run, facts, settings, time.monotonic() - STARTED, pictures)
     path = args.output / f"{stem}.md"
+    previous = previous_report(args.output)
+    report = render(run, facts, settings, time.monotonic() - STARTED, pictures, previous)
     path.write_text(report)
     print(f"\n{report}")
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     log(f"report written to {shown}, plots beside it ({', '.join(p.name for p in pictures)})")
+
+
+def previous_report(directory: Path) -> Path | None:
+    """The newest report in `directory` with the bare-Flask floor (read before it is replaced)."""
+    reports = sorted(directory.glob("*.md"), key=lambda each: each.stat().st_mtime)
+    found = [each for each in reports if HEADLINE in each.read_text(errors="replace")]
+    return found[-1] if found else None
 
 
 def machine_facts(conn: Conn, server_url: str | None) -> dict[str, str]:
