@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # The test harness's process helpers, shared with the system tests.
 sys.path.insert(0, str(ROOT / "tests"))
 
-from support.servers import LOOPBACK, Gunicorn  # noqa: E402
+from support.nginx import DeployedGunicorn  # noqa: E402
+from support.servers import LOOPBACK  # noqa: E402
 
 WRK_DIR = ROOT / "bench" / "wrk"
 GUNICORN_CONFIG = "deploy/gunicorn.conf.py"
@@ -211,17 +212,6 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def children_of(pid: int) -> list[int]:
-    """Pids of the live children of `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-    return sorted(found)
-
-
 def peak_rss_kib(pid: int) -> int:
     """VmHWM of a process: its peak resident set size, in KiB."""
     with contextlib.suppress(OSError):
@@ -245,17 +235,25 @@ def get(port: int, path: str, key: str | None = None) -> tuple[int, dict[str, st
         connection.close()
 
 
-class BenchGunicorn(Gunicorn):
-    """The harness's gunicorn, run with deploy/gunicorn.conf.py on an app of our choice.
+class BenchGunicorn(DeployedGunicorn):
+    """The harness's deployed gunicorn (deploy/gunicorn.conf.py), serving an app of our choice.
 
     `environ` is the whole environment (the runner leaves out the caller's service settings);
-    BIND is set to the harness's free port. Ready when /healthz answers and every worker is up.
+    ready when /healthz answers and every worker is up.
     """
 
-    def __init__(self, app: list[str], environ: Mapping[str, str], log_path: Path, workers: int):
-        super().__init__(environ, log_path, workers=workers, start_timeout=30.0, stop_timeout=30.0)
+    def __init__(
+        self, app: list[str], environ: Mapping[str, str], log_path: Path, workers: int, threads: int
+    ) -> None:
+        super().__init__(
+            environ,
+            log_path,
+            workers=workers,
+            threads=threads,
+            start_timeout=30.0,
+            stop_timeout=30.0,
+        )
         self.app = app
-        self.environ["BIND"] = f"{LOOPBACK}:{self.port}"
 
     def command(self) -> list[str]:
         """gunicorn with the deploy config; workers, threads and class come from the environment."""
@@ -268,7 +266,3 @@ class BenchGunicorn(Gunicorn):
     def answers(self) -> bool:
         """/healthz answers 200 and the master has all its workers."""
         return super().answers() and len(self.worker_pids()) == self.workers
-
-    def worker_pids(self) -> list[int]:
-        """The worker processes of this master."""
-        return children_of(self.pid)

@@ -220,12 +220,21 @@ def configs_table(run: Run) -> list[str]:
         "| app CPU µs/request | PostgreSQL µs/request |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
+    best: dict[str, list[tuple[float, float, str]]] = {}
     for (name, label), measures in run.configs.items():
         whole = combined(measures)
         rates = [m.rps for m in measures]
         lines.append(
             f"| {name} | {label} | {fmt(whole.rps)} | {fmt(min(rates))}–{fmt(max(rates))} "
             f"| {fmt(whole.p99_ms, 1)} | {fmt(whole.app_us)} | {fmt(whole.pg_us)} |"
+        )
+        best.setdefault(name, []).append((whole.rps, whole.app_us or 0.0, label))
+    lines.append("")
+    for name, found in best.items():
+        fastest, leanest = max(found), min(found, key=lambda each: each[1])
+        lines.append(
+            f"- {name}: most requests/s with {fastest[2]} ({fmt(fastest[0])}); least app CPU "
+            f"per request with {leanest[2]} ({fmt(leanest[1])} µs)."
         )
     return lines
 

@@ -229,8 +229,9 @@ def start_servers(
     for server in servers:
         env = server_env(server, database_url, args.redis_url)
         run.commands.setdefault(server.label, shown_command(server, env))
-        name = f"{table.size}-{server.label}".replace(" ", "-").replace("://", "")
-        gunicorn = BenchGunicorn(server_app(server), env, LOG_DIR / f"{name}.log", server.workers)
+        name = f"{table.size}-{server.label}".replace(" ", "-").replace("://", "").replace("×", "x")
+        log_path = LOG_DIR / f"{name}.log"
+        gunicorn = BenchGunicorn(server_app(server), env, log_path, server.workers, server.threads)
         masters[server] = stack.enter_context(gunicorn)
     return masters
 
