@@ -620,10 +620,10 @@ def parse_args() -> argparse.Namespace:
         help="only the in-process per-request budget table, printed (no wrk, no servers)",
     )
     parser.add_argument(
-        "--in-process-requests", type=int, default=300, help="requests per in-process round"
+        "--in-process-requests", type=int, default=120, help="requests per in-process round"
     )
     parser.add_argument(
-        "--in-process-rounds", type=int, default=5, help="in-process rounds (default 5)"
+        "--in-process-rounds", type=int, default=8, help="in-process rounds (default 8)"
     )
     parser.add_argument(
         "--output", type=Path, default=ROOT / "bench" / "results", help="report directory"
