@@ -192,7 +192,8 @@ def budget_table(budget: Budget, validation: dict[str, float], requests: int, ro
     """The table in Markdown (printed to stdout as it is)."""
     lines = [
         f"In-process `GET {PATH}`: direct WSGI calls, {rounds} interleaved rounds of {requests} "
-        "per app after one to warm up, the median round; CPU of the calling thread.",
+        "per app after one to warm up, the best round (background load only adds); CPU of the "
+        "calling thread.",
         "",
         "| app | CPU µs/request | wall µs/request |",
         "|---|---:|---:|",
