@@ -36,7 +36,11 @@ format: $(VENV)/.installed  ## Rewrite the code in ruff's format
 	$(BIN)/ruff format petstore tests bench deploy wsgi.py
 	$(BIN)/ruff check --fix petstore tests bench deploy wsgi.py
 
-bench: $(VENV)/.installed  ## Benchmark the service against the floor into bench/results/ (BENCH_ARGS=--help)
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed  ## Benchmark the service against the floors into bench/results/ (BENCH_ARGS=--help)
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 clean:  ## Remove the virtualenv and build files (var/ keeps the embedded database)

@@ -5,59 +5,28 @@ the service's query, run the service's SQL for the operation (the functions of p
 write the same JSON and headers, on a pool made as the service makes its own (petstore.db.open_pool).
 Served by the same gunicorn config as the service:
 
-    gunicorn -c deploy/gunicorn.conf.py --pythonpath bench floor:app
+    gunicorn -c deploy/gunicorn.conf.py --pythonpath bench 'floor:create_floor()'
 """
 
 from __future__ import annotations
 
 import email.utils
 import json
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
+
+from psycopg_pool import ConnectionPool
 
 from petstore import config, db
 from petstore.auth import hash_key
 from petstore.queries import keys, pets
+from petstore.schemas import DIGITS, INT64_MAX, PET_STATUSES
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
-PET_PATH = re.compile(r"/v1/pets/([0-9]{1,18})")
-STATUSES = ("available", "pending", "sold")
-
-
-# --- JSON: the one place that knows what petstore.queries returns --------------------------------
-# Either rows as dicts (id, name, category_id, status), written here as the Pet schema does, or
-# JSON text that PostgreSQL wrote (a page {"pets", "count", "last_id"}, a pet's text, {"id", "pet"}),
-# sent as it comes, like the service does. When the queries change shape again, change these two
-# functions; the runner compares the floor's answers with the service's before measuring.
-
-
-def shown(row: dict[str, Any]) -> dict[str, Any]:
-    """A pets row as the API shows it: categoryId, and no status when it is NULL."""
-    pet = {"id": row["id"], "name": row["name"], "categoryId": row["category_id"]}
-    if row["status"] is not None:
-        pet["status"] = row["status"]
-    return pet
-
-
-def page_json(result: Any) -> tuple[bytes, int, int | None]:
-    """(body, pets on the page, id of the last one) of what a list query returned."""
-    if isinstance(result, dict):
-        return result["pets"].encode(), result["count"], result["last_id"]
-    last_id = result[-1]["id"] if result else None
-    return json.dumps([shown(row) for row in result]).encode(), len(result), last_id
-
-
-def pet_json(result: Any) -> tuple[bytes, int | None]:
-    """(body, id) of what find_pet or insert_pet returned (id None when only the text came back)."""
-    if isinstance(result, str):
-        return result.encode(), None
-    if "pet" in result:
-        return result["pet"].encode(), result["id"]
-    return json.dumps(shown(result)).encode(), result["id"]
+PET_PATH = "/v1/pets/"
 
 
 def respond(
@@ -84,11 +53,16 @@ def error(start_response: StartResponse, code: int, reason: str) -> list[bytes]:
     return respond(start_response, f"{code} {reason.upper()}", body)
 
 
-def create_floor() -> WSGIApp:
-    """The floor WSGI app, with its own pool (created in each worker: gunicorn imports us after fork)."""
-    settings = config.from_environ()
+def create_floor(
+    settings: Mapping[str, Any] | None = None, pool: ConnectionPool[db.Connection] | None = None
+) -> WSGIApp:
+    """The floor WSGI app: settings from the environment unless given, its own pool unless given.
+
+    gunicorn calls it in each worker (`floor:create_floor()`), after the fork.
+    """
+    settings = config.from_environ() if settings is None else settings
     config.check(settings)
-    pool = db.open_pool(settings, name="floor")
+    pool = db.open_pool(settings, name="floor") if pool is None else pool
     get_pet_headers = [
         ("Deprecation", f"@{settings['DEPRECATED_AT']}"),
         ("Sunset", email.utils.formatdate(settings["SUNSET"], usegmt=True)),
@@ -103,20 +77,19 @@ def create_floor() -> WSGIApp:
         except ValueError:
             return error(sr, 400, "invalid_request")
         status = query.get("status")
-        if not 1 <= limit <= 100 or after < 0 or status not in (None, *STATUSES):
+        if not 1 <= limit <= 100 or after < 0 or status not in (None, *PET_STATUSES):
             return error(sr, 400, "invalid_request")
         if status is None:
             result = pets.list_pets(conn, after=after, limit=limit)
         else:
             result = pets.list_pets_by_status(conn, status=status, after=after, limit=limit)
-        body, count, last_id = page_json(result)
         headers = []
-        if count == limit:
-            params: dict[str, Any] = {"limit": limit, "after": last_id}
+        if result["count"] == limit:
+            params: dict[str, Any] = {"limit": limit, "after": result["last_id"]}
             if status is not None:
                 params["status"] = status
             headers.append(("Link", f'</v1/pets?{urlencode(params)}>; rel="next"'))
-        return respond(sr, "200 OK", body, headers)
+        return respond(sr, "200 OK", result["pets"].encode(), headers)
 
     def create_pet(conn: db.Connection, environ: dict[str, Any], sr: StartResponse) -> list[bytes]:
         length = int(environ.get("CONTENT_LENGTH") or 0)
@@ -125,17 +98,17 @@ def create_floor() -> WSGIApp:
             name, category_id = new_pet["name"], new_pet["categoryId"]
         except (ValueError, KeyError, TypeError):
             return error(sr, 400, "invalid_request")
-        result = pets.insert_pet(
+        row = pets.insert_pet(
             conn, name=name, category_id=category_id, status=new_pet.get("status")
         )
-        body, pet_id = pet_json(result)
-        return respond(sr, "201 CREATED", body, [("Location", f"/v1/pets/{pet_id}")])
+        location = [("Location", f"/v1/pets/{row['id']}")]
+        return respond(sr, "201 CREATED", row["pet"].encode(), location)
 
     def get_pet(conn: db.Connection, pet_id: int, sr: StartResponse) -> list[bytes]:
-        result = pets.find_pet(conn, pet_id)
-        if result is None:
+        pet = pets.find_pet(conn, pet_id)
+        if pet is None:
             return error(sr, 404, "not_found")
-        return respond(sr, "200 OK", pet_json(result)[0], get_pet_headers)
+        return respond(sr, "200 OK", pet.encode(), get_pet_headers)
 
     def app(environ: dict[str, Any], sr: StartResponse) -> list[bytes]:
         path, method = environ["PATH_INFO"], environ["REQUEST_METHOD"]
@@ -154,12 +127,10 @@ def create_floor() -> WSGIApp:
                 return list_pets(conn, environ, sr)
             if path == "/v1/pets" and method == "POST":
                 return create_pet(conn, environ, sr)
-            match = PET_PATH.fullmatch(path)
-            if match is not None and method == "GET":
-                return get_pet(conn, int(match[1]), sr)
+            pet_id = path.removeprefix(PET_PATH)
+            if path.startswith(PET_PATH) and DIGITS.fullmatch(pet_id) and method == "GET":
+                if int(pet_id) <= INT64_MAX:
+                    return get_pet(conn, int(pet_id), sr)
         return error(sr, 404, "not_found")
 
     return app
-
-
-app = create_floor()

@@ -68,9 +68,10 @@ bind = _env("BIND", "127.0.0.1:8000").split(",")
 _shared_storage = not _env("RATELIMIT_STORAGE_URI", "memory://").startswith("memory://")
 workers = _count("WEB_CONCURRENCY", 2 * multiprocessing.cpu_count() if _shared_storage else 1)
 
+# GUNICORN_WORKER_CLASS: gthread (threads per worker) or sync (one request at a time per worker).
+worker_class = _env("GUNICORN_WORKER_CLASS", "gthread")
 # PETSTORE_THREADS: threads per worker; each thread may hold one pooled connection, so the
 # pool is sized to match unless PETSTORE_DB_POOL_SIZE says otherwise.
-worker_class = "gthread"
 threads = _count("PETSTORE_THREADS", 4)
 os.environ.setdefault("PETSTORE_DB_POOL_SIZE", str(threads))
 

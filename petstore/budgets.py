@@ -159,7 +159,9 @@ def init_app(app: Flask) -> None:
     limiter = PlanLimiter(
         # Unused: the pipeline says whose budget a request spends (count).
         get_remote_address,
-        storage_uri=storages.storage_uri(config["RATELIMIT_STORAGE_URI"]),
+        storage_uri=storages.storage_uri(
+            config["RATELIMIT_STORAGE_URI"], config.get("RATELIMIT_TUNED_STORAGES", True)
+        ),
         storage_options=storage_options(config),
         strategy=config["RATELIMIT_STRATEGY"],
         in_memory_fallback_enabled=True,

@@ -37,9 +37,10 @@ SCHEME_PREFIX = "petstore+"
 SWEEP_SECONDS = 60.0
 
 
-def storage_uri(configured: str) -> str:
-    """The URI flask-limiter gets for RATELIMIT_STORAGE_URI: ours for redis, Sentinel, Cluster and memory."""
-    if configured.startswith(
+def storage_uri(configured: str, tuned: bool = True) -> str:
+    """The URI flask-limiter gets for RATELIMIT_STORAGE_URI: ours for redis, Sentinel, Cluster and
+    memory, if `tuned` (the bench measures limits' own storages with tuned=False)."""
+    if tuned and configured.startswith(
         ("redis://", "rediss://", "memory://", "redis+sentinel://", "redis+cluster://")
     ):
         return SCHEME_PREFIX + configured

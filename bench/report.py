@@ -1,0 +1,592 @@
+"""The report of `make bench`: what a run gathered, its Markdown tables and its PNG plots."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from measure import GUNICORN_CONFIG, Measure, combined
+
+SERVICE, FLASK_FLOOR, RAW_FLOOR = "service", "bare-Flask floor", "raw floor"
+# The targets of the service against the bare-Flask floor (issue 9): reads, and writes or mixed.
+READ_TARGET, WRITE_TARGET = 0.85, 0.8
+
+
+@dataclass(frozen=True)
+class Server:
+    """A server under test: which app, its limiter storage, workers × threads, class, ablations.
+
+    `without` switches parts of the service off, to show what they cost: "limiter" (the
+    factory called with RATELIMIT_ENABLED off) and "request log" (PETSTORE_LOG_LEVEL=warning).
+    """
+
+    app: str  # SERVICE, FLASK_FLOOR or RAW_FLOOR
+    storage: str  # "memory" or "redis"
+    workers: int
+    threads: int = 4
+    worker_class: str = "gthread"
+    without: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """How the report names it."""
+        storage = f" {self.storage}://" if self.app != RAW_FLOOR else ""
+        kind = f" {self.worker_class}" if self.worker_class != "gthread" else ""
+        parts = f" without the {' and the '.join(self.without)}" if self.without else ""
+        return f"{self.app}{storage}{kind} {self.workers}×{self.threads}{parts}"
+
+
+@dataclass
+class Run:
+    """Everything one benchmark run gathers for the report; every list holds one Measure per round."""
+
+    groups: list[tuple[str, tuple[Server, ...]]] = field(default_factory=list)
+    rounds: dict[tuple[int, str, str], list[Measure]] = field(default_factory=dict)
+    distance: dict[tuple[str, str], list[Measure]] = field(default_factory=dict)
+    distance_servers: tuple[Server, ...] = ()
+    distance_size: int = 0
+    configs: dict[tuple[str, str], list[Measure]] = field(default_factory=dict)
+    single: dict[tuple[str, str], Measure] = field(default_factory=dict)
+    rss_kib: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+    plans: list[tuple[str, str, str]] = field(default_factory=list)
+    budget: str = ""
+    notes: list[str] = field(default_factory=list)
+    commands: dict[str, str] = field(default_factory=dict)
+    pages: dict[int, int] = field(default_factory=dict)
+    sizes: list[int] = field(default_factory=list)
+    scenario_names: list[str] = field(default_factory=list)
+
+
+# --- numbers -----------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    """A number for a table cell; n/a for None."""
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A ratio of requests/s over rounds: min, median, max, and the medians of each half."""
+
+    values: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    def halves(self) -> tuple[float, float] | None:
+        """Medians of the first and the second half of the rounds (None with fewer than 2)."""
+        half = len(self.values) // 2
+        if not half:
+            return None
+        return statistics.median(self.values[:half]), statistics.median(self.values[half:])
+
+    def moved(self) -> float | None:
+        """How far the two halves' medians are apart, as a share of the median."""
+        halves = self.halves()
+        return abs(halves[0] - halves[1]) / self.median if halves and self.median else None
+
+    def cell(self) -> str:
+        """'**median** (min–max)'."""
+        return f"**{self.median:.2f}** ({min(self.values):.2f}–{max(self.values):.2f})"
+
+    def halves_cell(self) -> str:
+        """'h1 / h2 (moved %)'."""
+        halves, moved = self.halves(), self.moved()
+        if halves is None or moved is None:
+            return "n/a"
+        return f"{halves[0]:.2f} / {halves[1]:.2f} ({moved:.0%})"
+
+
+def ratio(ours: list[Measure], base: list[Measure]) -> Ratio | None:
+    """Round by round, ours' requests/s over base's (rounds ran side by side)."""
+    values = [a.rps / b.rps for a, b in zip(ours, base, strict=False) if b.rps]
+    return Ratio(values) if values else None
+
+
+def cpu_ratio(ours: list[Measure], base: list[Measure]) -> Ratio | None:
+    """Round by round, base's app CPU per request over ours': what the ratio of requests/s
+    would be if both were bound by their own CPU alone (steadier under background load)."""
+    values = [
+        b.app_us / a.app_us
+        for a, b in zip(ours, base, strict=False)
+        if a.app_us and b.app_us is not None
+    ]
+    return Ratio(values) if values else None
+
+
+def target_of(scenario: str) -> float:
+    """The target ratio against the bare-Flask floor: 0.8 for writes and mixed, else 0.85."""
+    return WRITE_TARGET if scenario.startswith(("POST", "mixed")) else READ_TARGET
+
+
+# --- tables ------------------------------------------------------------------------------------
+
+
+def group_rows(run: Run, servers: tuple[Server, ...]) -> Iterator[tuple[int, str]]:
+    """(pets, scenario) of every row the group measured, in order."""
+    for size in run.sizes:
+        for name in run.scenario_names:
+            if (size, servers[0].label, name) in run.rounds:
+                yield size, name
+
+
+def comparison(run: Run, servers: tuple[Server, ...]) -> list[str]:
+    """Service, bare-Flask floor, raw floor: requests/s, ratios over rounds, p99."""
+    service, flask_floor, raw = servers
+    lines = [
+        "| pets | scenario | service req/s | Flask floor req/s | raw floor req/s "
+        "| **service ÷ Flask floor** median (min–max) | halves (moved) | target "
+        "| service ÷ raw floor | Flask floor ÷ raw floor | p99 ms service / Flask / raw |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size, name in group_rows(run, servers):
+        measures = [run.rounds.get((size, server.label, name), []) for server in servers]
+        whole = [combined(each) for each in measures]
+        to_flask = ratio(measures[0], measures[1])
+        to_raw = ratio(measures[0], measures[2])
+        flask_to_raw = ratio(measures[1], measures[2])
+        met = "n/a"
+        if to_flask is not None:
+            met = f"{target_of(name)} " + (
+                "met" if to_flask.median >= target_of(name) else "missed"
+            )
+        lines.append(
+            f"| {size:,} | {name} | {fmt(whole[0].rps)} | {fmt(whole[1].rps)} | "
+            f"{fmt(whole[2].rps)} | {to_flask.cell() if to_flask else 'n/a'} | "
+            f"{to_flask.halves_cell() if to_flask else 'n/a'} | {met} | "
+            f"{to_raw.cell() if to_raw else 'n/a'} | "
+            f"{flask_to_raw.cell() if flask_to_raw else 'n/a'} | "
+            + " / ".join(fmt(each.p99_ms, 1) for each in whole)
+            + " |"
+        )
+    return lines
+
+
+def cpu_table(run: Run, servers: tuple[Server, ...]) -> list[str]:
+    """CPU per request of each server (app, PostgreSQL), and how busy wrk and the rest were."""
+    lines = [
+        "| pets | scenario | service app / PostgreSQL µs | Flask floor app / PostgreSQL µs "
+        "| raw floor app / PostgreSQL µs | Flask floor app ÷ service app, median (min–max) "
+        "| service app ÷ raw floor app | wrk (cores) | other processes (cores) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size, name in group_rows(run, servers):
+        measures = [run.rounds.get((size, s.label, name), []) for s in servers]
+        whole = [combined(each) for each in measures]
+        cells = [f"{fmt(m.app_us)} / {fmt(m.pg_us)}" for m in whole]
+        by_cpu = cpu_ratio(measures[0], measures[1])
+        cells.append(by_cpu.cell() if by_cpu else "n/a")
+        wrk = max(m.wrk_cpu / m.seconds for m in whole if m.seconds)
+        other = max(m.other_cpu / m.seconds for m in whole if m.seconds)
+        app_ratio = (
+            whole[0].app_us / whole[2].app_us if whole[0].app_us and whole[2].app_us else None
+        )
+        lines.append(
+            f"| {size:,} | {name} | {' | '.join(cells)} | {fmt(app_ratio, 2)} | "
+            f"{wrk:.2f} | {other:.2f} |"
+        )
+    return lines
+
+
+def distance_table(run: Run) -> list[str]:
+    """Each step from the floors to the whole service: requests/s, ratios over rounds, CPU."""
+    raw, flask_floor = run.distance_servers[0].label, run.distance_servers[1].label
+    lines = [
+        "| scenario | server | req/s | × Flask floor median (min–max) | × raw floor "
+        "| app CPU µs/request | PostgreSQL µs/request |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for (name, label), measures in run.distance.items():
+        whole = combined(measures)
+        to_flask = ratio(measures, run.distance.get((name, flask_floor), []))
+        to_raw = ratio(measures, run.distance.get((name, raw), []))
+        lines.append(
+            f"| {name} | {label} | {fmt(whole.rps)} | {to_flask.cell() if to_flask else 'n/a'} "
+            f"| {to_raw.cell() if to_raw else 'n/a'} | {fmt(whole.app_us)} | {fmt(whole.pg_us)} |"
+        )
+    return lines
+
+
+def configs_table(run: Run) -> list[str]:
+    """The service on redis:// under each serving configuration."""
+    lines = [
+        "| scenario | configuration | req/s | min–max req/s over rounds | p99 ms "
+        "| app CPU µs/request | PostgreSQL µs/request |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    best: dict[str, list[tuple[float, float, str]]] = {}
+    for (name, label), measures in run.configs.items():
+        whole = combined(measures)
+        rates = [m.rps for m in measures]
+        lines.append(
+            f"| {name} | {label} | {fmt(whole.rps)} | {fmt(min(rates))}–{fmt(max(rates))} "
+            f"| {fmt(whole.p99_ms, 1)} | {fmt(whole.app_us)} | {fmt(whole.pg_us)} |"
+        )
+        best.setdefault(name, []).append((whole.rps, whole.app_us or 0.0, label))
+    lines.append("")
+    for name, found in best.items():
+        fastest, leanest = max(found), min(found, key=lambda each: each[1])
+        lines.append(
+            f"- {name}: most requests/s with {fastest[2]} ({fmt(fastest[0])}); least app CPU "
+            f"per request with {leanest[2]} ({fmt(leanest[1])} µs)."
+        )
+    return lines
+
+
+def size_table(run: Run, service: str, floor: str) -> list[str]:
+    """The deep and the filtered page against the first: median latency, PostgreSQL CPU."""
+    lines = [
+        "| page | service p50 ms | × first page | raw floor p50 ms | × first page "
+        "| PostgreSQL CPU µs/request | × first page |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    names = list(dict.fromkeys(name for (_label, name) in run.single))
+
+    def cells(label: str, name: str, value: Callable[[Measure], float | None], digits: int) -> str:
+        this, first = run.single.get((label, name)), run.single.get((label, names[0]))
+        mine = value(this) if this else None
+        base = value(first) if first else None
+        share = mine / base if mine is not None and base else None
+        return f"{fmt(mine, digits)} | {fmt(share, 2)}"
+
+    for name in names:
+        lines.append(
+            f"| {name} | {cells(service, name, lambda m: m.p50_ms, 2)} "
+            f"| {cells(floor, name, lambda m: m.p50_ms, 2)} "
+            f"| {cells(floor, name, lambda m: m.pg_us, 0)} |"
+        )
+    return lines
+
+
+def stability(run: Run) -> str:
+    """How far the medians of service ÷ Flask floor moved between the halves of the rounds."""
+    sentences = []
+    for what, ratio_of in (
+        ("service ÷ bare-Flask floor (requests/s)", ratio),
+        ("its CPU-based counterpart (Flask floor app µs ÷ service app µs)", cpu_ratio),
+    ):
+        moves = []
+        for _title, servers in run.groups:
+            for size, name in group_rows(run, servers):
+                found = ratio_of(
+                    run.rounds.get((size, servers[0].label, name), []),
+                    run.rounds.get((size, servers[1].label, name), []),
+                )
+                moved = found.moved() if found else None
+                if moved is not None:
+                    moves.append((moved, f"{servers[0].storage}://, {size:,} pets, {name}"))
+        if not moves:
+            return "Stability: too few rounds to split into halves."
+        moves.sort()
+        under = sum(1 for moved, _where in moves if moved < 0.05)
+        sentences.append(
+            f"the median of {what} moved by {statistics.median(m for m, _w in moves):.1%} "
+            f"(median over the {len(moves)} ratios), by less than 5% in {under} of "
+            f"{len(moves)}, at most {moves[-1][0]:.1%} ({moves[-1][1]})"
+        )
+    return f"Stability, with the rounds split into two halves: {'; '.join(sentences)}."
+
+
+HEADLINE = "**service ÷ Flask floor**"
+PREVIOUS = "<the comparison with the previous report>"
+
+
+def headline_ratios(text: str) -> dict[tuple[str, str, str], float]:
+    """The medians of service ÷ Flask floor in a report: (storage, pets, scenario) -> median."""
+    found: dict[tuple[str, str, str], float] = {}
+    storage, column = "", None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            storage, column = line[3:].split(" ", 1)[0], None
+        elif line.startswith("| pets |") and HEADLINE in line:
+            column = [cell.strip() for cell in line.split("|")].index(
+                next(c.strip() for c in line.split("|") if HEADLINE in c)
+            )
+        elif column is not None and line.startswith("| ") and "**" in line:
+            cells = [cell.strip() for cell in line.split("|")]
+            with contextlib.suppress(ValueError, IndexError):
+                median = float(cells[column].split("**")[1])
+                found[(storage, cells[1], cells[2])] = median
+    return found
+
+
+def against_previous(text: str, previous: Path | None) -> str:
+    """How far the medians of service ÷ Flask floor moved since the previous report."""
+    if previous is None:
+        return "No earlier report with the bare-Flask floor in this directory to compare with."
+    before, now = headline_ratios(previous.read_text()), headline_ratios(text)
+    moves = sorted(
+        (abs(now[row] - before[row]) / before[row], row)
+        for row in now.keys() & before.keys()
+        if before[row]
+    )
+    if not moves:
+        return f"No row in common with the previous report ({previous.name})."
+    under = sum(1 for moved, _row in moves if moved < 0.05)
+    worst, (storage, pets, name) = moves[-1]
+    return (
+        f"Against the previous report ({previous.name}), the median of service ÷ bare-Flask "
+        f"floor moved by {statistics.median(m for m, _r in moves):.1%} (median over the "
+        f"{len(moves)} ratios in both), by less than 5% in {under} of {len(moves)}, at most "
+        f"{worst:.1%} ({storage} {pets} pets, {name})."
+    )
+
+
+def render(
+    run: Run,
+    facts: dict[str, str],
+    settings: dict[str, str],
+    wall: float,
+    pictures: list[Path],
+    previous: Path | None = None,
+) -> str:
+    """The Markdown report."""
+    out = [
+        "# Benchmark: the service against the bare-Flask floor and the raw floor",
+        "",
+        f"{time.strftime('%Y-%m-%d')}, commit {facts['commit']}. **Numbers from one run on one "
+        f"machine** ({facts['cpu']}, {facts['cores']} cores, {facts['memory']}; "
+        f"{facts['postgres']}, {facts['python']}, {facts['wrk']}); wrk, PostgreSQL, Redis and "
+        f"gunicorn share these cores. The run took {wall / 60:.1f} min.",
+        "",
+        f"Load: wrk with {settings['threads']} thread(s) and {settings['connections']} "
+        f"connections; {settings['rounds']} rounds of {settings['duration']} s per server and "
+        "scenario, interleaved (each round runs every scenario on every server in turn, so "
+        f"both sides of a ratio see about the same background load), after a {settings['warmup']} "
+        f"s mixed warm-up of each server. Every server is gunicorn with `{GUNICORN_CONFIG}` "
+        "(gthread, pool sized to the threads). Three servers per storage:",
+        "",
+        "- the **service**;",
+        "- the **bare-Flask floor** (`bench/flask_floor.py`): a plain Flask app doing the "
+        "essential work: the same key query, the same SQL (petstore.queries), a per-key minute + "
+        "day fixed-window counter with X-RateLimit-* headers (in-process for memory://, one Lua "
+        "call per window in Redis for redis://), Error JSON; no marshmallow, flask-limiter or "
+        "request log. **The headline ratio is service ÷ bare-Flask floor**;",
+        "- the **raw floor** (`bench/floor.py`): the same essential work without Flask and "
+        "without counting: the physical limit on this stack.",
+        "",
+        "The floors' answers are compared with the service's first (status, body bytes, Link). "
+        "Ratios are computed round by round: median (min–max) over the rounds; *halves* gives the "
+        "medians of the first and the second half of the rounds and how far apart they are. Pets "
+        "that a run creates are deleted after it. Deep page: "
+        + ", ".join(f"page {page:,} at {size:,} pets" for size, page in run.pages.items())
+        + ", then `Link: rel=next`.",
+        "",
+        stability(run),
+        "",
+        PREVIOUS,
+        "",
+        *(f"![{picture.stem}]({picture.name})" for picture in pictures),
+        "",
+    ]
+    for title, servers in run.groups:
+        out += [f"## {title}", "", *comparison(run, servers), ""]
+    out += [
+        "## CPU per request",
+        "",
+        "From /proc, summed over the rounds: the gunicorn workers (app) and the pool's PostgreSQL "
+        "backends, per request. *Flask floor app ÷ service app* is what service ÷ Flask floor in "
+        "requests/s would be if both were bound by their own CPU: it moves less with background "
+        "load than requests/s do. *service app ÷ raw floor app* is the yardstick of issue 9's "
+        "moonshot (the FastAPI alternative spent about the raw floor's CPU). Then the cores wrk "
+        "used, and those every other process on the machine used meanwhile (noise, when it is "
+        "not 0).",
+        "",
+    ]
+    for title, servers in run.groups:
+        out += [f"### {title}", "", *cpu_table(run, servers), ""]
+    if run.distance:
+        out += [
+            f"## Where the distance goes ({run.distance_size:,} pets, memory://, 1 worker)",
+            "",
+            "The floors, the service with parts switched off, and the whole service: the "
+            "service without the limiter is the factory called with `RATELIMIT_ENABLED` off, "
+            "and `PETSTORE_LOG_LEVEL=warning` drops the request log. Interleaved rounds as above.",
+            "",
+            *distance_table(run),
+            "",
+        ]
+    if run.configs:
+        out += [
+            "## Serving configurations (the service on redis://)",
+            "",
+            "gunicorn's worker class, workers × threads, set through `GUNICORN_WORKER_CLASS`, "
+            "`WEB_CONCURRENCY` and `PETSTORE_THREADS` (the pool follows the threads); "
+            "interleaved rounds as above.",
+            "",
+            *configs_table(run),
+            "",
+        ]
+    if run.budget:
+        out += ["## The per-request budget, in-process", "", run.budget, ""]
+    if run.single:
+        service, floor = settings["size_service"], settings["size_floor"]
+        out += [
+            f"## Cost against table size ({max(run.sizes):,} pets, 1 connection)",
+            "",
+            "One connection (no queueing), rounds of 1 s with each page on each server in turn; "
+            "the median of the rounds' median latencies. Target: the deep page and a filtered "
+            "page within 1.2× of the first page. The PostgreSQL column is the raw floor's "
+            "backends' CPU per request, the part that would grow with the table.",
+            "",
+            *size_table(run, service, floor),
+            "",
+        ]
+    out += [
+        "## Peak RSS per worker (VmHWM, read just before stopping the server)",
+        "",
+        "| pets | server | MiB per worker |",
+        "|---:|---|---|",
+        *(
+            f"| {size:,} | {label} | {', '.join(f'{kib / 1024:.0f}' for kib in kibs)} |"
+            for (size, label), kibs in run.rss_kib.items()
+        ),
+        "",
+        "## Notes",
+        "",
+        *(f"- {note}" for note in run.notes),
+    ]
+    if run.plans:
+        out += ["", f"## Plans at {max(run.sizes):,} pets (`EXPLAIN (ANALYZE, BUFFERS)`)"]
+    for title, query, plan in run.plans:
+        out += ["", f"### {title}", "", "```sql", query, "```", "", "```", plan, "```"]
+    out += ["", "## Commands", "", "```", settings["invocation"], *run.commands.values()]
+    out += [
+        "cd bench/wrk && BENCH_KEY=<enterprise key> BENCH_MIN_ID=<min> BENCH_MAX_ID=<max> \\",
+        f"    wrk -t{settings['threads']} -c{settings['connections']} -d{settings['duration']}s "
+        "--latency --timeout 5s -s <get|follow|pet|post|mixed>.lua http://127.0.0.1:<port><path>",
+        "```",
+        "",
+    ]
+    text = "\n".join(out)
+    return text.replace(PREVIOUS, against_previous(text, previous))
+
+
+# --- plots -------------------------------------------------------------------------------------
+
+
+def plot_size(run: Run, size: int, path: Path) -> Path:
+    """Requests/s and p99 per scenario, one bar per server, at one table size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = [s for _title, group in run.groups for s in group]
+    servers = [
+        s for s in servers if any((size, s.label, n) in run.rounds for n in run.scenario_names)
+    ]
+    names = [
+        n for n in run.scenario_names if any((size, s.label, n) in run.rounds for s in servers)
+    ]
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(13, 8.5), sharex=True)
+    width = 0.8 / max(1, len(servers))
+    colors = plot_colors(servers)
+    for index, server in enumerate(servers):
+        whole = [combined(run.rounds.get((size, server.label, n), [])) for n in names]
+        positions = [x + (index - (len(servers) - 1) / 2) * width for x in range(len(names))]
+        top.bar(positions, [m.rps for m in whole], width, label=server.label, color=colors[index])
+        bottom.bar(positions, [m.p99_ms for m in whole], width, color=colors[index])
+    top.set_ylabel("requests/s (higher is better)")
+    bottom.set_ylabel("p99 latency, ms (lower is better)")
+    bottom.set_xticks(range(len(names)), [wrapped(n) for n in names], fontsize=8)
+    top.legend(fontsize=8, ncols=2)
+    top.set_title(f"{size:,} pets: throughput and p99 per scenario (wrk, medians of rounds)")
+    for axes in (top, bottom):
+        axes.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    return path
+
+
+def plot_summary(run: Run, path: Path) -> Path:
+    """Service ÷ bare-Flask floor per scenario and storage at the first size, min–max bars, targets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    size = min(run.sizes)
+    figure, axes = plt.subplots(figsize=(11, 4.8))
+    names = run.scenario_names
+    width = 0.8 / max(1, len(run.groups))
+    for index, (_title, servers) in enumerate(run.groups):
+        found = [
+            ratio(
+                run.rounds.get((size, servers[0].label, n), []),
+                run.rounds.get((size, servers[1].label, n), []),
+            )
+            for n in names
+        ]
+        positions = [x + (index - (len(run.groups) - 1) / 2) * width for x in range(len(names))]
+        medians = [each.median if each else 0.0 for each in found]
+        low = [each.median - min(each.values) if each else 0.0 for each in found]
+        high = [max(each.values) - each.median if each else 0.0 for each in found]
+        axes.bar(
+            positions,
+            medians,
+            width,
+            yerr=[low, high],
+            capsize=3,
+            label=f"{servers[0].label} ÷ {servers[1].label}",
+        )
+        by_cpu = [
+            cpu_ratio(
+                run.rounds.get((size, servers[0].label, n), []),
+                run.rounds.get((size, servers[1].label, n), []),
+            )
+            for n in names
+        ]
+        axes.plot(
+            positions,
+            [each.median if each else float("nan") for each in by_cpu],
+            "D",
+            color="black",
+            markersize=5,
+            label="CPU-based: Flask floor app µs ÷ service app µs" if not index else None,
+        )
+    for x, name in enumerate(names):
+        axes.hlines(target_of(name), x - 0.45, x + 0.45, colors="black", linestyles="dashed")
+    axes.axhline(1.0, color="grey", linewidth=0.8)
+    axes.set_xticks(range(len(names)), [wrapped(n) for n in names], fontsize=8)
+    axes.set_ylabel("service ÷ bare-Flask floor, requests/s")
+    axes.set_title(
+        f"The service against the bare-Flask floor, {size:,} pets "
+        "(bars: median, min–max over rounds; dashed: target)"
+    )
+    axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2)
+    axes.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    return path
+
+
+def plot_colors(servers: list[Server]) -> list[str]:
+    """Service dark, bare-Flask floor middle, raw floor light; blue for memory, orange for redis."""
+    shades = {
+        ("memory", SERVICE): "#1f4e99",
+        ("memory", FLASK_FLOOR): "#4f8fdb",
+        ("memory", RAW_FLOOR): "#a9c8ef",
+        ("redis", SERVICE): "#b34700",
+        ("redis", FLASK_FLOOR): "#f08a3c",
+        ("redis", RAW_FLOOR): "#f7c79f",
+    }
+    return [shades.get((s.storage, s.app), "#888888") for s in servers]
+
+
+def wrapped(name: str) -> str:
+    """A scenario name on two lines at its middle space, for an axis label."""
+    if len(name) < 22 or " " not in name:
+        return name
+    middle = len(name) // 2
+    spaces = [i for i, c in enumerate(name) if c == " "]
+    cut = min(spaces, key=lambda i: abs(i - middle))
+    return name[:cut] + "\n" + name[cut + 1 :]
