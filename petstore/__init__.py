@@ -42,7 +42,8 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
     budgets.init_app(app)
     metrics.init_app(app)
     # The request path, in order (petstore/pipeline.py):
-    # identify → count → refuse banned → require a key → view → headers → log (and metrics)
+    # identify → count → refuse banned → require a key → require a scope → view → headers → log
+    # (and metrics)
     pipeline.init_app(app)
 
     app.register_blueprint(health.bp)

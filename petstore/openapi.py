@@ -25,6 +25,7 @@ JSON = "application/json"
 ERROR_CODES: dict[int, tuple[str, ...]] = {
     400: ("invalid_request",),
     401: ("unauthorized",),
+    403: ("insufficient_scope",),
     404: ("not_found",),
     409: ("idempotency_key_reused",),
     410: ("gone",),
@@ -42,7 +43,8 @@ DESCRIPTION = """\
 The Animal Store: list, add and fetch the animals ("pets") of a store's catalogue.
 
 **Authentication.** Every operation needs an API key sent as a bearer token:
-`Authorization: Bearer <key>`. A missing, malformed, unknown or revoked key gets 401.
+`Authorization: Bearer <key>`. A missing, malformed, unknown, revoked or expired key gets
+401. A key may be read-only: creating with it gets 403 `insufficient_scope`.
 
 **Rate limits.** Each key spends one budget across the whole API, per minute and per day:
 {plans}, enterprise as agreed. Requests without a valid key are counted per client IP. Every
@@ -139,7 +141,8 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
         "WWW-Authenticate",
         {
             "description": 'The challenge: `Bearer realm="petstore"`, plus `error="invalid_token"` '
-            "when a token was sent (RFC 6750).",
+            'when a token was sent, or `error="insufficient_scope"` and the `scope` needed '
+            "(RFC 6750).",
             "required": True,
             "schema": {"type": "string"},
         },
@@ -207,7 +210,9 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
     spec.components.response(
         "Unauthorized",
         error_response(
-            401, "The API key is missing, malformed, unknown or revoked.", ("WWW-Authenticate",)
+            401,
+            "The API key is missing, malformed, unknown, revoked or expired.",
+            ("WWW-Authenticate",),
         ),
     )
     spec.components.response(
@@ -298,6 +303,12 @@ def add_paths(spec: APISpec, config: Mapping[str, Any]) -> None:
                         },
                     },
                     "400": "BadRequest",
+                    "403": error_response(
+                        403,
+                        "The API key lacks the `write` scope (a read-only key); "
+                        '`WWW-Authenticate` says `error="insufficient_scope", scope="write"`.',
+                        ("WWW-Authenticate",),
+                    ),
                     "409": error_response(
                         409, "The `Idempotency-Key` was used before with a different body."
                     ),
