@@ -25,6 +25,11 @@ def seconds_until(instant: float) -> int:
     return max(1, math.ceil(instant - time.time()))
 
 
+def strike_key(config: Mapping[str, Any], key_id: int) -> str:
+    """The limiter storage key of a key's strike counter."""
+    return f"{config['RATELIMIT_STRATEGY']}/strikes/{key_id}"
+
+
 def refuse_banned(caller: Mapping[str, Any] | None) -> None:
     """A banned key gets 429 api_key_banned until its ban ends (and spends no budget)."""
     if caller is None or caller["banned_until"] is None:
@@ -47,9 +52,9 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
     """
     config = current_app.config
     storage = limiter.limiter.storage
-    strike_key = f"{config['RATELIMIT_STRATEGY']}/strikes/{caller['id']}"
+    strikes_at = strike_key(config, caller["id"])
     try:
-        strikes = storage.incr(strike_key, spent.get_expiry())
+        strikes = storage.incr(strikes_at, spent.get_expiry())
         if strikes < config["BAN_THRESHOLD"]:
             return
         conn = db.get_conn()
@@ -58,7 +63,7 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
                 conn, key_id=caller["id"], base_seconds=config["BAN_SECONDS"], strikes=strikes
             )
         # A new ban starts a new count: after it ends, the key gets a full threshold again.
-        storage.clear(strike_key)
+        storage.clear(strikes_at)
     except Exception:
         log.exception("cannot count a strike against key %s", caller["id"])
         return

@@ -14,7 +14,7 @@ from typing import Any
 
 from flask import Flask, Response, current_app, g, request
 from flask_limiter.util import get_remote_address
-from limits import parse_many
+from limits import RateLimitItem, parse_many
 
 from petstore import bans, metrics, storages
 from petstore.config import ConfigError
@@ -114,6 +114,57 @@ def standing(
         if shown is None or remaining < shown[1]:
             shown = (limit.amount, remaining, math.ceil(reset))
     return shown
+
+
+def window_name(limit: RateLimitItem) -> str:
+    """A limit's name in /v1/rate_limit and RateLimit-Policy: `minute`, `day`, `5minute`..."""
+    name = limit.GRANULARITY.name
+    return name if limit.multiples == 1 else f"{limit.multiples}{name}"
+
+
+def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
+    """A key's own standing (GET /v1/rate_limit), counting nothing: its plan, each limit's
+    window, its ban and its strikes. X-RateLimit-* show the limit nearest to running out.
+
+    A storage that cannot be read is a 503: these numbers have no stand-in.
+    """
+    limiter = get_limiter()
+    config = current_app.config
+    prefix = config["RATELIMIT_STRATEGY"]
+    who, limits = budget_of(caller)
+    strategy = limiter.fallback if limiter.storage_dead else limiter.limiter
+    try:
+        windows = [strategy.get_window_stats(limit, prefix, who, SCOPE) for limit in limits]
+        strikes = strategy.storage.get(bans.strike_key(config, caller["id"]))
+    except Exception:
+        log.exception("cannot read the rate limit windows")
+        raise APIError(
+            503,
+            "The rate limit storage is unavailable; retry later.",
+            headers={"Retry-After": str(config["RETRY_AFTER"])},
+        ) from None
+    now = time.time()
+    shown: tuple[int, int, int] | None = None
+    named = {}
+    for limit, (reset, remaining) in zip(limits, windows, strict=True):
+        if remaining == limit.amount:  # nothing counted in this window yet
+            reset = now + limit.get_expiry()
+        named[window_name(limit)] = {
+            "limit": limit.amount,
+            "remaining": remaining,
+            "used": limit.amount - remaining,
+            "reset": math.ceil(reset),
+        }
+        if shown is None or remaining < shown[1]:
+            shown = (limit.amount, remaining, math.ceil(reset))
+    g.rate_limit_headers = shown
+    banned_until = caller["banned_until"]
+    return {
+        "plan": caller["plan"],
+        "limits": named,
+        "ban": None if banned_until is None else {"until": math.ceil(banned_until.timestamp())},
+        "strikes": {"count": strikes, "threshold": config["BAN_THRESHOLD"]},
+    }
 
 
 def set_headers(response: Response) -> None:

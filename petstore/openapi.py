@@ -96,6 +96,7 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
     spec.components.schema("NewPet", schema=schemas.NewPetSchema)
     spec.components.schema("Pet", schema=schemas.PetSchema)
     spec.components.schema("Error", schema=schemas.ErrorSchema)
+    spec.components.schema("RateLimit", schema=schemas.RateLimitSchema)
     spec.components.security_scheme(
         SECURITY_SCHEME,
         {
@@ -360,6 +361,29 @@ def add_paths(spec: APISpec, config: Mapping[str, Any]) -> None:
         },
     )
     spec.path(
+        "/rate_limit",
+        operations={
+            "get": {
+                "operationId": "getRateLimit",
+                "tags": ["rate limits"],
+                "summary": "The caller's own rate limits, ban and strikes",
+                "description": "Spends no budget and counts no strike, and answers 200 also "
+                "while the key is throttled or banned, so a client can learn when to come back. "
+                "Without a valid key it is a 401 like any other operation, counted against the "
+                "client's address.",
+                "responses": {
+                    "200": {
+                        "description": "The key's standing; X-RateLimit-* show the limit nearest "
+                        "to running out.",
+                        "headers": rate_limit_headers(),
+                        "content": {JSON: {"schema": "RateLimit"}},
+                    },
+                    **common_responses(),
+                },
+            }
+        },
+    )
+    spec.path(
         "/store/orders",
         operations={
             "get": {
@@ -435,6 +459,7 @@ def build_document(config: Mapping[str, Any], base_url: str | None = None) -> di
         tags=[
             {"name": "pets", "description": "The animals of the catalogue."},
             {"name": "store", "description": "Store orders (named by the specification only)."},
+            {"name": "rate limits", "description": "The caller's own budget and standing."},
         ],
     )
     add_components(spec, config)
