@@ -35,7 +35,8 @@ def refuse_banned(caller: Mapping[str, Any] | None) -> None:
     if caller is None or caller["banned_until"] is None:
         return
     until = caller["banned_until"].timestamp()
-    g.rate_limit_headers = (key_limits(caller)[0].amount, 0, math.ceil(until))
+    limits = key_limits(caller)
+    g.rate_limit_headers = (limits[0], 0, math.ceil(until), limits)
     raise APIError(
         429,
         f"This API key is banned until {caller['banned_until'].isoformat(timespec='seconds')} "

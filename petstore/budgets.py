@@ -3,6 +3,7 @@ the X-RateLimit-* header policy."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import math
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 SCOPE = "global"
 # An IPv6 client is keyed by its /64: one subscriber's network, however many addresses it uses.
 IPV6_PREFIX = 64
+
+# What the headers show (g.rate_limit_headers): the limit nearest to running out, its remaining
+# requests, when its window ends (unix seconds), and all the caller's limits.
+Shown = tuple[RateLimitItem, int, int, Limits]
 
 
 def client_key(address: str | None) -> str:
@@ -60,11 +65,11 @@ def count(caller: Mapping[str, Any] | None) -> None:
     who, limits = budget_of(caller)
     prefix = current_app.config["RATELIMIT_STRATEGY"]
     limiter.forget_counts()
-    shown: tuple[int, int, int] | None = None
+    shown: Shown | None = None
     for limit in limits:
         allowed, remaining, reset = limiter.count(limit, prefix, who, SCOPE)
         if not allowed:
-            g.rate_limit_headers = (limit.amount, 0, math.ceil(reset))
+            g.rate_limit_headers = (limit, 0, math.ceil(reset), limits)
             if caller is not None:
                 bans.strike(limiter, caller, limit)
             raise APIError(
@@ -74,7 +79,7 @@ def count(caller: Mapping[str, Any] | None) -> None:
                 headers={"Retry-After": str(bans.seconds_until(reset))},
             )
         if shown is None or remaining < shown[1]:
-            shown = (limit.amount, remaining, math.ceil(reset))
+            shown = (limit, remaining, math.ceil(reset), limits)
     g.rate_limit_headers = shown
 
 
@@ -98,11 +103,9 @@ def budget_of(caller: Mapping[str, Any] | None) -> tuple[str, Limits]:
     return client_key(request.remote_addr), ip_limits
 
 
-def standing(
-    limiter: PlanLimiter, prefix: str, who: str, limits: Limits
-) -> tuple[int, int, int] | None:
-    """(limit, remaining, reset) of the limit nearest to running out, counting nothing."""
-    shown: tuple[int, int, int] | None = None
+def standing(limiter: PlanLimiter, prefix: str, who: str, limits: Limits) -> Shown | None:
+    """(limit, remaining, reset, limits) of the limit nearest to running out, counting nothing."""
+    shown: Shown | None = None
     try:
         windows = [limiter.limiter.get_window_stats(limit, prefix, who, SCOPE) for limit in limits]
     except Exception:
@@ -112,10 +115,11 @@ def standing(
         if remaining == limit.amount:  # nothing counted in this window yet
             reset = time.time() + limit.get_expiry()
         if shown is None or remaining < shown[1]:
-            shown = (limit.amount, remaining, math.ceil(reset))
+            shown = (limit, remaining, math.ceil(reset), limits)
     return shown
 
 
+@functools.lru_cache(maxsize=1024)
 def window_name(limit: RateLimitItem) -> str:
     """A limit's name in /v1/rate_limit and RateLimit-Policy: `minute`, `day`, `5minute`..."""
     name = limit.GRANULARITY.name
@@ -144,7 +148,7 @@ def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
             headers={"Retry-After": str(config["RETRY_AFTER"])},
         ) from None
     now = time.time()
-    shown: tuple[int, int, int] | None = None
+    shown: Shown | None = None
     named = {}
     for limit, (reset, remaining) in zip(limits, windows, strict=True):
         if remaining == limit.amount:  # nothing counted in this window yet
@@ -156,7 +160,7 @@ def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
             "reset": math.ceil(reset),
         }
         if shown is None or remaining < shown[1]:
-            shown = (limit.amount, remaining, math.ceil(reset))
+            shown = (limit, remaining, math.ceil(reset), limits)
     g.rate_limit_headers = shown
     banned_until = caller["banned_until"]
     return {
@@ -167,15 +171,29 @@ def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+@functools.lru_cache(maxsize=1024)
+def policy_field(limits: Limits) -> str:
+    """RateLimit-Policy (draft-ietf-httpapi-ratelimit-headers-10): one item per limit, its quota
+    and window in seconds, e.g. `"minute";q=60;w=60, "day";q=1000;w=86400`. Made once per limits."""
+    return ", ".join(
+        f'"{window_name(limit)}";q={limit.amount};w={limit.get_expiry()}' for limit in limits
+    )
+
+
 def set_headers(response: Response) -> None:
-    """X-RateLimit-* on every /v1 response that was counted (or refused for a ban)."""
+    """X-RateLimit-* on every /v1 response that was counted (or refused for a ban), and beside
+    them the draft standard's RateLimit-Policy and RateLimit: the same limit, its remaining
+    requests `r` and the seconds `t` until its window ends."""
     numbers = g.get("rate_limit_headers")
     if numbers is not None:
-        limit, remaining, reset = numbers
+        limit, remaining, reset, limits = numbers
         headers = response.headers
-        headers["X-RateLimit-Limit"] = str(limit)
+        headers["X-RateLimit-Limit"] = str(limit.amount)
         headers["X-RateLimit-Remaining"] = str(remaining)
         headers["X-RateLimit-Reset"] = str(reset)
+        headers["RateLimit-Policy"] = policy_field(limits)
+        seconds = max(0, int(reset - time.time()))
+        headers["RateLimit"] = f'"{window_name(limit)}";r={remaining};t={seconds}'
 
 
 def refuse_shared_memory_storage(app: Flask) -> None:

@@ -37,7 +37,13 @@ ERROR_CODES: dict[int, tuple[str, ...]] = {
     503: ("service_unavailable",),
 }
 
-RATE_LIMIT_HEADERS = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
+RATE_LIMIT_HEADERS = (
+    "X-RateLimit-Limit",
+    "X-RateLimit-Remaining",
+    "X-RateLimit-Reset",
+    "RateLimit-Policy",
+    "RateLimit",
+)
 
 DESCRIPTION = """\
 The Animal Store: list, add and fetch the animals ("pets") of a store's catalogue.
@@ -128,6 +134,26 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
             "description": "When the window of that limit ends: unix time, in seconds.",
             "required": True,
             "schema": integer_header,
+        },
+    )
+    spec.components.header(
+        "RateLimit-Policy",
+        {
+            "description": "The key's quota policies (draft-ietf-httpapi-ratelimit-headers-10, "
+            "a structured-field List): one item per limit, its quota `q` and window `w` in "
+            'seconds, e.g. `"minute";q=60;w=60, "day";q=1000;w=86400`.',
+            "required": True,
+            "schema": {"type": "string"},
+        },
+    )
+    spec.components.header(
+        "RateLimit",
+        {
+            "description": "The limit in force, as in X-RateLimit-* (the same draft): its "
+            "policy name, remaining requests `r` and seconds `t` until its window ends, "
+            'e.g. `"minute";r=42;t=17`.',
+            "required": True,
+            "schema": {"type": "string"},
         },
     )
     spec.components.header(
