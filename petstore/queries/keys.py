@@ -10,8 +10,8 @@ from petstore.db import Connection
 
 
 def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None:
-    """The unrevoked key with this secret's hash: id, plan, per-key numbers, scopes, whether it
-    has expired, and the end of any active ban.
+    """The unrevoked key with this secret's hash: id, plan, per-key numbers, scopes (separated by
+    spaces), whether it has expired, and the end of any active ban.
 
     The hash is the key's current secret, or its previous one within the grace of a rotation.
     An expired key is returned too (`expired`), so that its 401 can say so. One query for all
@@ -23,7 +23,7 @@ def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None
                k.plan,
                k.per_minute,
                k.per_day,
-               k.scopes,
+               array_to_string(k.scopes, ' ') as scopes,
                coalesce(k.expires_at <= now(), false) as expired,
                b.banned_until
           from api_keys k
