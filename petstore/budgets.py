@@ -70,11 +70,11 @@ def count(caller: Mapping[str, Any] | None) -> None:
         allowed, remaining, reset = limiter.count(limit, prefix, who, SCOPE)
         if not allowed:
             g.rate_limit_headers = (limit, 0, math.ceil(reset), limits)
-            if caller is not None:
-                bans.strike(limiter, caller, limit)
+            # No ban without warning: each 429 of a key says how many more ban it.
+            warning = "" if caller is None else bans.strike(limiter, caller, limit)
             raise APIError(
                 429,
-                f"Rate limit exceeded: {limit.amount} per {limit.GRANULARITY.name}.",
+                f"Rate limit exceeded: {limit.amount} per {limit.GRANULARITY.name}.{warning}",
                 "rate_limited",
                 headers={"Retry-After": str(bans.seconds_until(reset))},
             )
@@ -137,6 +137,7 @@ def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
     prefix = config["RATELIMIT_STRATEGY"]
     who, limits = budget_of(caller)
     strategy = limiter.fallback if limiter.storage_dead else limiter.limiter
+    limiter.forget_counts()  # nothing this thread counted for an earlier request
     try:
         windows = [strategy.get_window_stats(limit, prefix, who, SCOPE) for limit in limits]
         strikes = strategy.storage.get(bans.strike_key(config, caller["id"]))

@@ -317,11 +317,33 @@ def bans_list() -> None:
 @bans_group.command("lift")
 @click.argument("key_id", type=int)
 def bans_lift(key_id: int) -> None:
-    """End the key's active ban now."""
-    with database() as conn:
+    """End the key's active ban now, and clear its strikes: it starts again from a full threshold."""
+    settings = load_settings()
+    with database(settings) as conn:
         if not bans.lift_bans(conn, key_id):
             raise click.ClickException(f"key {key_id} has no active ban")
-    click.echo(f"lifted the ban of key {key_id}")
+    try:
+        clear_strikes(settings, key_id)
+    except Exception as exc:
+        raise click.ClickException(
+            f"lifted the ban of key {key_id}, but could not clear its strikes in the rate limit "
+            f"storage ({type(exc).__name__}: {exc}); they expire with their window"
+        ) from None
+    click.echo(f"lifted the ban of key {key_id} and cleared its strikes")
+
+
+def clear_strikes(settings: dict[str, Any], key_id: int) -> None:
+    """Forget the key's strikes in the limiter storage of `settings` (the service's own)."""
+    from limits.storage import storage_from_string
+
+    from petstore import bans as ban_rules
+    from petstore import budgets, storages
+
+    storage = storage_from_string(
+        storages.storage_uri(settings["RATELIMIT_STORAGE_URI"]),
+        **budgets.storage_options(settings),
+    )
+    storage.clear(ban_rules.strike_key(settings, key_id))
 
 
 def ensure_database(server_url: str, dbname: str) -> None:

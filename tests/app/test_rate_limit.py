@@ -6,9 +6,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
+from click.testing import CliRunner
 from flask import Flask
 from flask.testing import FlaskClient
 
+from petstore.cli import main
 from support.checks import assert_error
 
 
@@ -136,3 +139,72 @@ def test_redis_storage_gives_the_same_standing(
     assert body["limits"]["minute"]["remaining"] == 0
     assert body["limits"]["day"]["used"] == 1
     assert body["strikes"]["count"] == 2
+
+
+# No ban without warning
+
+
+def test_each_429_says_how_many_more_ban_the_key_and_for_how_long(
+    make_app: Callable[..., Flask], issue_key: Callable[..., str]
+) -> None:
+    client = make_app(BAN_THRESHOLD=3, BAN_SECONDS=900).test_client()
+    key = issue_key("enterprise", per_minute=1, per_day=500)
+    answers = [client.get("/v1/pets", headers=bearer(key)) for _ in range(5)]
+
+    messages = [
+        assert_error(answer, 429, code)["message"]
+        for answer, code in zip(
+            answers[1:],
+            ["rate_limited", "rate_limited", "rate_limited", "api_key_banned"],
+            strict=True,
+        )
+    ]
+
+    assert messages[0] == (
+        "Rate limit exceeded: 1 per minute. 2 more refused requests in this window ban this key "
+        "for 15 minutes (twice as long as its last ban, up to 24 hours, when that ended less "
+        "than 24 hours ago)."
+    )
+    assert "1 more refused request in this window bans this key for 15 minutes" in messages[1]
+    assert messages[2] == (
+        "Rate limit exceeded: 1 per minute. This key is now banned for 15 minutes for calling "
+        "on after 429 responses."
+    )
+    assert messages[3].startswith("This API key is banned until")
+
+
+def test_429s_without_a_key_carry_no_ban_warning(make_app: Callable[..., Flask]) -> None:
+    client = make_app(IP_LIMITS="1/minute").test_client()
+    client.get("/v1/pets")
+    body = assert_error(client.get("/v1/pets"), 429, "rate_limited")
+    assert body["message"] == "Rate limit exceeded: 1 per minute."
+
+
+def test_bans_lift_clears_the_strikes(
+    make_app: Callable[..., Flask],
+    issue_key: Callable[..., str],
+    redis_url: str,
+    database_url: str,
+) -> None:
+    client = make_app(RATELIMIT_STORAGE_URI=redis_url, BAN_THRESHOLD=3).test_client()
+    other = issue_key("enterprise", per_minute=1, per_day=500)
+    key = issue_key("enterprise", per_minute=1, per_day=500)
+    for _ in range(3):
+        client.get("/v1/pets", headers=bearer(other))  # 2 strikes, no ban
+    for _ in range(4):
+        client.get("/v1/pets", headers=bearer(key))  # 3 strikes: banned, then a new count
+    client.get("/v1/rate_limit", headers=bearer(key))
+    assert standing(client, key)["ban"] is not None
+    redis_client = redis.Redis.from_url(redis_url)
+    strikes_key = "LIMITS:fixed-window/strikes/2"
+    redis_client.set(strikes_key, 2)  # as if it had struck again since
+    assert standing(client, key)["strikes"]["count"] == 2
+
+    environ = {"DATABASE_URL": database_url, "RATELIMIT_STORAGE_URI": redis_url}
+    result = CliRunner().invoke(main, ["bans", "lift", "2"], env=environ)
+
+    assert result.exit_code == 0, result.output
+    assert result.output == "lifted the ban of key 2 and cleared its strikes\n"
+    after = standing(client, key)
+    assert after["ban"] is None and after["strikes"]["count"] == 0
+    assert standing(client, other)["strikes"]["count"] == 2
