@@ -83,3 +83,21 @@ def test_the_day_shows_when_it_has_fewer_left(client: Any, issue_key: Callable[.
 def test_paths_outside_v1_carry_neither(client: Any) -> None:
     response = client.get("/healthz")
     assert not set(FIELDS) & set(response.headers.keys())
+
+
+def test_a_banned_key_sees_the_minute_spent_until_the_ban_ends(
+    make_app: Callable[..., Flask], issue_key: Callable[..., str]
+) -> None:
+    client = make_app(BAN_THRESHOLD=1, BAN_SECONDS=600).test_client()
+    key = issue_key("enterprise", per_minute=1, per_day=100)
+    for _ in range(2):
+        client.get("/v1/pets", headers=bearer(key))
+    banned = client.get("/v1/pets", headers=bearer(key))
+    assert banned.get_json()["code"] == "api_key_banned"
+
+    policy, current = parsed(banned)
+
+    assert [name for name, _params in policy] == ["minute", "day"]
+    ((name, params),) = current
+    assert (name, params["r"]) == ("minute", 0)
+    assert abs(params["t"] - int(banned.headers["Retry-After"])) <= 1
