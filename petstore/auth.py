@@ -155,22 +155,22 @@ def unauthorized(message: str, token_given: bool) -> APIError:
     return APIError(401, message, headers={"WWW-Authenticate": challenge})
 
 
-def needs_key() -> bool:
+def needs_key(view: Callable[..., Any] | None) -> bool:
     """Every /v1 path needs a key, unknown ones included, except views marked public."""
-    if request.endpoint is not None:
-        view = current_app.view_functions.get(request.endpoint)
-        return not getattr(view, "public", False)
-    return True
+    return not getattr(view, "public", False)
 
 
-def identify_caller() -> tuple[dict[str, Any] | None, APIError | None]:
-    """(the key's row, None), or (None, the 401 to answer): who is calling, refusing nothing yet.
+def identify_caller(
+    view: Callable[..., Any] | None,
+) -> tuple[dict[str, Any] | None, APIError | None]:
+    """(the key's row, None), or (None, the 401 to answer): who is calling `view` (current_view()),
+    refusing nothing yet.
 
     The row has id, plan, per_minute, per_day, scopes, expired and banned_until. Refusing happens later, in
     require_caller, so that a request without a valid key spends its address's budget first.
     When the database cannot be asked, its error propagates: a 503, and no budget is spent.
     """
-    if not needs_key():
+    if not needs_key(view):
         return None, None
     token = bearer_token(request.headers.get("Authorization", ""))
     if token is None:

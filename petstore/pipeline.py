@@ -39,13 +39,13 @@ def before_view() -> None:
     if request.method == "POST":
         # Before a pooled connection is taken: a slow body holds a thread, never a connection.
         web.read_body()
+    view = auth.current_view()
     try:
-        caller, refusal = auth.identify_caller()
+        caller, refusal = auth.identify_caller(view)
     except DATABASE_UNAVAILABLE:
         budgets.show_unspent()
         raise
     g.caller = caller  # for the view (idempotency records are per key) and the log line
-    view = auth.current_view()
     if caller is not None and getattr(view, "uncounted", False):
         return  # GET /v1/rate_limit: a valid key's own standing, never counted nor refused
     if caller is None or caller["banned_until"] is None:
