@@ -56,10 +56,13 @@ The Animal Store: list, add and fetch the animals ("pets") of a store's catalogu
 {plans}, enterprise as agreed. Requests without a valid key are counted per client IP. Every
 response carries
 `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` (unix seconds) of the
-limit in force: the breached one on a 429, else the one with the fewest requests left. A 429
+limit in force: the breached one on a 429, else the one with the fewest requests left, and
+the same as `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers-10). A 429
 (`rate_limited`) says in `Retry-After` when to try again; wait that long and back off
-exponentially. Each 429 is a strike: a key that keeps calling is banned for a while and every
-request then gets 429 `api_key_banned`, with `Retry-After` until the ban ends.
+exponentially. Each 429 is a strike, and its message says how many more refused requests in
+the window ban the key and for how long: a key that keeps calling is banned for a while and every
+request then gets 429 `api_key_banned`, with `Retry-After` until the ban ends. `GET /rate_limit`
+shows a key its standing without spending budget, also while throttled or banned.
 
 **Errors.** Every error of every status is `application/json` with the Error shape
 (`code`, `message`, `status`); a validation 400 adds `errors`, naming each bad field.
