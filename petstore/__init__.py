@@ -9,7 +9,7 @@ from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from petstore import budgets, config, db, errors, metrics, pipeline
-from petstore.views import docs, health, orders, pets, root
+from petstore.views import docs, health, orders, pets, rate_limit, root
 from petstore.views import metrics as metrics_view
 from petstore.web import API_PREFIX
 
@@ -42,7 +42,8 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
     budgets.init_app(app)
     metrics.init_app(app)
     # The request path, in order (petstore/pipeline.py):
-    # identify → count → refuse banned → require a key → view → headers → log (and metrics)
+    # identify → count → refuse banned → require a key → require a scope → view → headers → log
+    # (and metrics)
     pipeline.init_app(app)
 
     app.register_blueprint(health.bp)
@@ -50,5 +51,6 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
     app.register_blueprint(metrics_view.bp)
     app.register_blueprint(pets.bp, url_prefix=API_PREFIX)
     app.register_blueprint(orders.bp, url_prefix=API_PREFIX)
+    app.register_blueprint(rate_limit.bp, url_prefix=API_PREFIX)
     app.register_blueprint(docs.bp, url_prefix=API_PREFIX)
     return app

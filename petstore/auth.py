@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from flask import current_app, request
@@ -23,6 +24,9 @@ REALM = 'Bearer realm="petstore"'
 BEARER = re.compile(r"bearer +(.+)", re.IGNORECASE | re.ASCII | re.DOTALL)
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# What a key may do (sql/0005): GET operations need read, POST ones write. New keys get both.
+SCOPES = ("read", "write")
 
 
 def new_key() -> str:
@@ -46,6 +50,8 @@ def issue_key(
     label: str = "",
     per_minute: int | None = None,
     per_day: int | None = None,
+    expires_at: datetime | None = None,
+    scopes: Sequence[str] = SCOPES,
 ) -> tuple[str, dict[str, Any]]:
     """Make a key and store its hash; return (key, row): the only time the key exists in clear."""
     key = new_key()
@@ -57,14 +63,81 @@ def issue_key(
         plan=plan,
         per_minute=per_minute,
         per_day=per_day,
+        expires_at=expires_at,
+        scopes=scopes,
     )
     return key, row
+
+
+def rotate_key(
+    conn: Connection, key_id: int, grace_seconds: int
+) -> tuple[str, dict[str, Any]] | None:
+    """A new secret for the key `key_id`, its old one valid `grace_seconds` more; None: no such key.
+
+    Same row, same id: budgets, strikes and bans are keyed by the id, so they carry over.
+    """
+    key = new_key()
+    row = keys.rotate_key(
+        conn,
+        key_id,
+        key_hash=hash_key(key),
+        prefix=display_prefix(key),
+        grace_seconds=grace_seconds,
+    )
+    return None if row is None else (key, row)
 
 
 def public(view: F) -> F:
     """Mark a view as answering without a key (health, API description)."""
     view.public = True  # type: ignore[attr-defined]
     return view
+
+
+def needs_scope(scope: str) -> Callable[[F], F]:
+    """Mark a view as needing `scope` of the key (views without the mark need read)."""
+    if scope not in SCOPES:
+        raise ValueError(f"unknown scope {scope!r}")
+
+    def mark(view: F) -> F:
+        view.scope = scope  # type: ignore[attr-defined]
+        return view
+
+    return mark
+
+
+def uncounted(view: F) -> F:
+    """Mark a view that a valid key calls without spending budget, even while throttled or banned.
+
+    Requests without a valid key still spend their address's budget and get the 401.
+    """
+    view.uncounted = True  # type: ignore[attr-defined]
+    return view
+
+
+def current_view() -> Callable[..., Any] | None:
+    """The view function the request is routed to, if any."""
+    if request.endpoint is None:
+        return None
+    view: Callable[..., Any] | None = current_app.view_functions.get(request.endpoint)
+    return view
+
+
+def require_scope(caller: Mapping[str, Any] | None, view: Callable[..., Any] | None) -> None:
+    """403 insufficient_scope when the key lacks the scope its view needs (RFC 6750).
+
+    After counting: the 403 spends budget like any other answer.
+    """
+    if caller is None or view is None:
+        return
+    scope = getattr(view, "scope", "read")
+    # Space-separated, as OAuth writes scopes: a text is cheaper to read than an array.
+    if scope not in caller["scopes"].split():
+        raise APIError(
+            403,
+            f"This API key lacks the {scope!r} scope this operation needs.",
+            "insufficient_scope",
+            headers={"WWW-Authenticate": f'{REALM}, error="insufficient_scope", scope="{scope}"'},
+        )
 
 
 def bearer_token(header: str) -> str | None:
@@ -82,22 +155,22 @@ def unauthorized(message: str, token_given: bool) -> APIError:
     return APIError(401, message, headers={"WWW-Authenticate": challenge})
 
 
-def needs_key() -> bool:
+def needs_key(view: Callable[..., Any] | None) -> bool:
     """Every /v1 path needs a key, unknown ones included, except views marked public."""
-    if request.endpoint is not None:
-        view = current_app.view_functions.get(request.endpoint)
-        return not getattr(view, "public", False)
-    return True
+    return not getattr(view, "public", False)
 
 
-def identify_caller() -> tuple[dict[str, Any] | None, APIError | None]:
-    """(the key's row, None), or (None, the 401 to answer): who is calling, refusing nothing yet.
+def identify_caller(
+    view: Callable[..., Any] | None,
+) -> tuple[dict[str, Any] | None, APIError | None]:
+    """(the key's row, None), or (None, the 401 to answer): who is calling `view` (current_view()),
+    refusing nothing yet.
 
-    The row has id, plan, per_minute, per_day and banned_until. Refusing happens later, in
+    The row has id, plan, per_minute, per_day, scopes, expired and banned_until. Refusing happens later, in
     require_caller, so that a request without a valid key spends its address's budget first.
     When the database cannot be asked, its error propagates: a 503, and no budget is spent.
     """
-    if not needs_key():
+    if not needs_key(view):
         return None, None
     token = bearer_token(request.headers.get("Authorization", ""))
     if token is None:
@@ -109,6 +182,9 @@ def identify_caller() -> tuple[dict[str, Any] | None, APIError | None]:
     )
     if row is None:
         return None, unauthorized("The API key is not valid.", True)
+    if row["expired"]:
+        # Known, but past its expiry: a message of its own, so its holder knows to get a new one.
+        return None, unauthorized("The API key has expired.", True)
     return row, None
 
 

@@ -25,12 +25,18 @@ def seconds_until(instant: float) -> int:
     return max(1, math.ceil(instant - time.time()))
 
 
+def strike_key(config: Mapping[str, Any], key_id: int) -> str:
+    """The limiter storage key of a key's strike counter."""
+    return f"{config['RATELIMIT_STRATEGY']}/strikes/{key_id}"
+
+
 def refuse_banned(caller: Mapping[str, Any] | None) -> None:
     """A banned key gets 429 api_key_banned until its ban ends (and spends no budget)."""
     if caller is None or caller["banned_until"] is None:
         return
     until = caller["banned_until"].timestamp()
-    g.rate_limit_headers = (key_limits(caller)[0].amount, 0, math.ceil(until))
+    limits = key_limits(caller)
+    g.rate_limit_headers = (limits[0], 0, math.ceil(until), limits)
     raise APIError(
         429,
         f"This API key is banned until {caller['banned_until'].isoformat(timespec='seconds')} "
@@ -40,30 +46,54 @@ def refuse_banned(caller: Mapping[str, Any] | None) -> None:
     )
 
 
-def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem) -> None:
+def duration(seconds: int) -> str:
+    """900 -> "15 minutes": a ban's length as people say it."""
+    for unit, size in (("hour", 3600), ("minute", 60)):
+        if seconds >= size and seconds % size == 0:
+            count = seconds // size
+            return f"{count} {unit}{'s' if count != 1 else ''}"
+    return f"{seconds} second{'s' if seconds != 1 else ''}"
+
+
+def warning(config: Mapping[str, Any], strikes: int) -> str:
+    """What a 429 adds to its message after its strike: how many more refusals ban the key."""
+    left = config["BAN_THRESHOLD"] - strikes
+    return (
+        f" {left} more refused request{'s' if left != 1 else ''} in this window "
+        f"ban{'s' if left == 1 else ''} this key for {duration(config['BAN_SECONDS'])} "
+        "(twice as long as its last ban, up to 24 hours, when that ended less than 24 hours ago)."
+    )
+
+
+def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem) -> str:
     """Count a 429 against the key in the limiter storage; at the threshold, ban it in PostgreSQL.
 
-    The 429 stands even when the strike cannot be counted or the ban stored.
+    Returns the sentence the 429's message ends with: how many more refused requests in this
+    window ban the key, and for how long; or that it is now banned. The 429 stands even when the
+    strike cannot be counted or the ban stored (the sentence is empty then).
     """
     config = current_app.config
     storage = limiter.limiter.storage
-    strike_key = f"{config['RATELIMIT_STRATEGY']}/strikes/{caller['id']}"
+    strikes_at = strike_key(config, caller["id"])
     try:
-        strikes = storage.incr(strike_key, spent.get_expiry())
+        strikes = storage.incr(strikes_at, spent.get_expiry())
         if strikes < config["BAN_THRESHOLD"]:
-            return
+            return warning(config, strikes)
         conn = db.get_conn()
         with conn.transaction():
             ban = ban_sql.insert_ban(
                 conn, key_id=caller["id"], base_seconds=config["BAN_SECONDS"], strikes=strikes
             )
         # A new ban starts a new count: after it ends, the key gets a full threshold again.
-        storage.clear(strike_key)
+        storage.clear(strikes_at)
     except Exception:
         log.exception("cannot count a strike against key %s", caller["id"])
-        return
-    if ban is not None:
-        metrics.ban_created()
-        log.warning(
-            "banned key %s for %s s after %s strikes", caller["id"], ban["seconds"], strikes
-        )
+        return ""
+    if ban is None:  # another worker banned it first
+        return " This key is now banned for calling on after 429 responses."
+    metrics.ban_created()
+    log.warning("banned key %s for %s s after %s strikes", caller["id"], ban["seconds"], strikes)
+    return (
+        f" This key is now banned for {duration(ban['seconds'])} for calling on after 429 "
+        "responses."
+    )

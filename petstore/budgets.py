@@ -3,6 +3,7 @@ the X-RateLimit-* header policy."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import math
@@ -14,7 +15,7 @@ from typing import Any
 
 from flask import Flask, Response, current_app, g, request
 from flask_limiter.util import get_remote_address
-from limits import parse_many
+from limits import RateLimitItem, parse_many
 
 from petstore import bans, metrics, storages
 from petstore.config import ConfigError
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 SCOPE = "global"
 # An IPv6 client is keyed by its /64: one subscriber's network, however many addresses it uses.
 IPV6_PREFIX = 64
+
+# What the headers show (g.rate_limit_headers): the limit nearest to running out, its remaining
+# requests, when its window ends (unix seconds), and all the caller's limits.
+Shown = tuple[RateLimitItem, int, int, Limits]
 
 
 def client_key(address: str | None) -> str:
@@ -59,21 +64,21 @@ def count(caller: Mapping[str, Any] | None) -> None:
         return
     who, limits = budget_of(caller)
     prefix = current_app.config["RATELIMIT_STRATEGY"]
-    shown: tuple[int, int, int] | None = None
+    shown: Shown | None = None
     for limit in limits:
         allowed, remaining, reset = limiter.count(limit, prefix, who, SCOPE)
         if not allowed:
-            g.rate_limit_headers = (limit.amount, 0, math.ceil(reset))
-            if caller is not None:
-                bans.strike(limiter, caller, limit)
+            g.rate_limit_headers = (limit, 0, math.ceil(reset), limits)
+            # No ban without warning: each 429 of a key says how many more ban it.
+            warning = "" if caller is None else bans.strike(limiter, caller, limit)
             raise APIError(
                 429,
-                f"Rate limit exceeded: {limit.amount} per {limit.GRANULARITY.name}.",
+                f"Rate limit exceeded: {limit.amount} per {limit.GRANULARITY.name}.{warning}",
                 "rate_limited",
                 headers={"Retry-After": str(bans.seconds_until(reset))},
             )
         if shown is None or remaining < shown[1]:
-            shown = (limit.amount, remaining, math.ceil(reset))
+            shown = (limit, remaining, math.ceil(reset), limits)
     g.rate_limit_headers = shown
 
 
@@ -97,11 +102,9 @@ def budget_of(caller: Mapping[str, Any] | None) -> tuple[str, Limits]:
     return client_key(request.remote_addr), ip_limits
 
 
-def standing(
-    limiter: PlanLimiter, prefix: str, who: str, limits: Limits
-) -> tuple[int, int, int] | None:
-    """(limit, remaining, reset) of the limit nearest to running out, counting nothing."""
-    shown: tuple[int, int, int] | None = None
+def standing(limiter: PlanLimiter, prefix: str, who: str, limits: Limits) -> Shown | None:
+    """(limit, remaining, reset, limits) of the limit nearest to running out, counting nothing."""
+    shown: Shown | None = None
     try:
         windows = [limiter.limiter.get_window_stats(limit, prefix, who, SCOPE) for limit in limits]
     except Exception:
@@ -111,19 +114,85 @@ def standing(
         if remaining == limit.amount:  # nothing counted in this window yet
             reset = time.time() + limit.get_expiry()
         if shown is None or remaining < shown[1]:
-            shown = (limit.amount, remaining, math.ceil(reset))
+            shown = (limit, remaining, math.ceil(reset), limits)
     return shown
 
 
+@functools.lru_cache(maxsize=1024)
+def window_name(limit: RateLimitItem) -> str:
+    """A limit's name in /v1/rate_limit and RateLimit-Policy: `minute`, `day`, `5minute`..."""
+    name = limit.GRANULARITY.name
+    return name if limit.multiples == 1 else f"{limit.multiples}{name}"
+
+
+def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
+    """A key's own standing (GET /v1/rate_limit), counting nothing: its plan, each limit's
+    window, its ban and its strikes. X-RateLimit-* show the limit nearest to running out.
+
+    A storage that cannot be read is a 503: these numbers have no stand-in.
+    """
+    limiter = get_limiter()
+    config = current_app.config
+    prefix = config["RATELIMIT_STRATEGY"]
+    who, limits = budget_of(caller)
+    strategy = limiter.fallback if limiter.storage_dead else limiter.limiter
+    try:
+        windows = [strategy.get_window_stats(limit, prefix, who, SCOPE) for limit in limits]
+        strikes = strategy.storage.get(bans.strike_key(config, caller["id"]))
+    except Exception:
+        log.exception("cannot read the rate limit windows")
+        raise APIError(
+            503,
+            "The rate limit storage is unavailable; retry later.",
+            headers={"Retry-After": str(config["RETRY_AFTER"])},
+        ) from None
+    now = time.time()
+    shown: Shown | None = None
+    named = {}
+    for limit, (reset, remaining) in zip(limits, windows, strict=True):
+        if remaining == limit.amount:  # nothing counted in this window yet
+            reset = now + limit.get_expiry()
+        named[window_name(limit)] = {
+            "limit": limit.amount,
+            "remaining": remaining,
+            "used": limit.amount - remaining,
+            "reset": math.ceil(reset),
+        }
+        if shown is None or remaining < shown[1]:
+            shown = (limit, remaining, math.ceil(reset), limits)
+    g.rate_limit_headers = shown
+    banned_until = caller["banned_until"]
+    return {
+        "plan": caller["plan"],
+        "limits": named,
+        "ban": None if banned_until is None else {"until": math.ceil(banned_until.timestamp())},
+        "strikes": {"count": strikes, "threshold": config["BAN_THRESHOLD"]},
+    }
+
+
+@functools.lru_cache(maxsize=1024)
+def policy_field(limits: Limits) -> str:
+    """RateLimit-Policy (draft-ietf-httpapi-ratelimit-headers-10): one item per limit, its quota
+    and window in seconds, e.g. `"minute";q=60;w=60, "day";q=1000;w=86400`. Made once per limits."""
+    return ", ".join(
+        f'"{window_name(limit)}";q={limit.amount};w={limit.get_expiry()}' for limit in limits
+    )
+
+
 def set_headers(response: Response) -> None:
-    """X-RateLimit-* on every /v1 response that was counted (or refused for a ban)."""
+    """X-RateLimit-* on every /v1 response that was counted (or refused for a ban), and beside
+    them the draft standard's RateLimit-Policy and RateLimit: the same limit, its remaining
+    requests `r` and the seconds `t` until its window ends."""
     numbers = g.get("rate_limit_headers")
     if numbers is not None:
-        limit, remaining, reset = numbers
+        limit, remaining, reset, limits = numbers
         headers = response.headers
-        headers["X-RateLimit-Limit"] = str(limit)
+        headers["X-RateLimit-Limit"] = str(limit.amount)
         headers["X-RateLimit-Remaining"] = str(remaining)
         headers["X-RateLimit-Reset"] = str(reset)
+        headers["RateLimit-Policy"] = policy_field(limits)
+        seconds = max(0, int(reset - time.time()))
+        headers["RateLimit"] = f'"{window_name(limit)}";r={remaining};t={seconds}'
 
 
 def refuse_shared_memory_storage(app: Flask) -> None:

@@ -6,11 +6,13 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +137,59 @@ def keys_group() -> None:
     """API keys."""
 
 
+class BadInput(click.ClickException):
+    """Input the command refuses before changing anything: one line on stderr, exit status 2."""
+
+    exit_code = 2
+
+
+DURATION = re.compile(r"([0-9]{1,9})([dhm])")
+DURATION_UNITS = {"d": 86400, "h": 3600, "m": 60}
+
+
+def parse_duration(option: str, text: str) -> int:
+    """Seconds of a duration such as 90d, 24h or 30m (more than zero); BadInput otherwise."""
+    match = DURATION.fullmatch(text.strip())
+    if match is None or int(match[1]) == 0:
+        raise BadInput(
+            f"{option} {text!r}: expected a positive number of days, hours or minutes, "
+            "such as 90d, 24h or 30m"
+        )
+    return int(match[1]) * DURATION_UNITS[match[2]]
+
+
+def parse_expiry(expires_in: str | None, expires_at: str | None) -> datetime | None:
+    """When a new key expires, from --expires-in or --expires-at (ISO 8601; UTC unless it says)."""
+    if expires_in is not None and expires_at is not None:
+        raise BadInput("give --expires-in or --expires-at, not both")
+    now = datetime.now(UTC)
+    if expires_in is not None:
+        return now + timedelta(seconds=parse_duration("--expires-in", expires_in))
+    if expires_at is None:
+        return None
+    try:
+        instant = datetime.fromisoformat(expires_at.strip())
+    except ValueError:
+        raise BadInput(
+            f"--expires-at {expires_at!r}: expected an ISO 8601 date and time, "
+            "such as 2027-01-31T12:00:00Z"
+        ) from None
+    if instant.tzinfo is None:
+        instant = instant.replace(tzinfo=UTC)
+    if instant <= now:
+        raise BadInput(f"--expires-at {expires_at}: that is not in the future")
+    return instant
+
+
+def parse_scopes(given: tuple[str, ...]) -> tuple[str, ...]:
+    """The scopes of --scope (repeatable, or comma-separated); both when none is given."""
+    scopes = tuple(dict.fromkeys(part.strip() for text in given for part in text.split(",")))
+    unknown = [scope for scope in scopes if scope not in auth.SCOPES]
+    if unknown:
+        raise BadInput(f"--scope {unknown[0]!r} is not a scope: use {' or '.join(auth.SCOPES)}")
+    return scopes or auth.SCOPES
+
+
 @keys_group.command("create")
 @click.option("--plan", type=click.Choice(PLANS), required=True)
 @click.option("--label", default="", help="A note to recognise the key by.")
@@ -144,14 +199,34 @@ def keys_group() -> None:
 @click.option(
     "--per-day", type=click.IntRange(min=1), help="Requests per day (enterprise: required)."
 )
-def keys_create(plan: str, label: str, per_minute: int | None, per_day: int | None) -> None:
+@click.option("--expires-in", help="Expire after this long: 90d, 24h, 30m (default: never).")
+@click.option("--expires-at", help="Expire at this ISO 8601 instant (UTC unless it says).")
+@click.option(
+    "--scope",
+    "scopes",
+    multiple=True,
+    help="read (list and get) or write (create); repeatable. Default: read and write.",
+)
+def keys_create(
+    plan: str,
+    label: str,
+    per_minute: int | None,
+    per_day: int | None,
+    expires_in: str | None,
+    expires_at: str | None,
+    scopes: tuple[str, ...],
+) -> None:
     """Create a key; it is printed once, alone on the last line, and stored only hashed."""
     if plan == "enterprise" and (per_minute is None or per_day is None):
         raise click.UsageError("an enterprise key needs both --per-minute and --per-day")
+    expiry = parse_expiry(expires_in, expires_at)
+    wanted = parse_scopes(scopes)
     with database() as conn:
-        key, row = auth.issue_key(conn, plan, label, per_minute, per_day)
+        key, row = auth.issue_key(conn, plan, label, per_minute, per_day, expiry, wanted)
+    expiring = f", expires {row['expires_at']:%Y-%m-%d %H:%M:%S%z}" if row["expires_at"] else ""
     click.echo(
-        f"created key {row['id']} ({row['prefix']}..., plan {row['plan']}); it is shown only now:"
+        f"created key {row['id']} ({row['prefix']}..., plan {row['plan']}, "
+        f"scope {' '.join(row['scopes'])}{expiring}); it is shown only now:"
     )
     click.echo(key)
 
@@ -162,13 +237,21 @@ def keys_list() -> None:
     with database() as conn:
         rows = keys.list_keys(conn)
     click.echo(
-        f"{'id':>6}  {'prefix':<12} {'plan':<10} {'/minute':>8} {'/day':>9}  {'state':<8} label"
+        f"{'id':>6}  {'prefix':<12} {'plan':<10} {'/minute':>8} {'/day':>9}  {'state':<8} "
+        f"{'scope':<10} {'expires':<24} label"
     )
     for row in rows:
-        state = "revoked" if row["revoked_at"] else "live"
+        if row["revoked_at"]:
+            state = "revoked"
+        elif row["expired"]:
+            state = "expired"
+        else:
+            state = "live"
+        expires = f"{row['expires_at']:%Y-%m-%d %H:%M:%S%z}" if row["expires_at"] else "never"
         click.echo(
             f"{row['id']:>6}  {row['prefix']:<12} {row['plan']:<10} "
-            f"{row['per_minute'] or '-':>8} {row['per_day'] or '-':>9}  {state:<8} {row['label']}"
+            f"{row['per_minute'] or '-':>8} {row['per_day'] or '-':>9}  {state:<8} "
+            f"{','.join(row['scopes']):<10} {expires:<24} {row['label']}"
         )
 
 
@@ -180,6 +263,31 @@ def keys_revoke(key_id: int) -> None:
         if not keys.revoke_key(conn, key_id):
             raise click.ClickException(f"no live key with id {key_id}")
     click.echo(f"revoked key {key_id}")
+
+
+@keys_group.command("rotate")
+@click.argument("key_id")
+@click.option(
+    "--grace",
+    default="24h",
+    show_default=True,
+    help="How long the old secret keeps working: 24h, 7d, 30m.",
+)
+def keys_rotate(key_id: str, grace: str) -> None:
+    """A new secret for the same key (same id, plan, limits, budgets and bans); printed once."""
+    if not key_id.isdigit() or int(key_id) > 2**63 - 1:
+        raise BadInput(f"no live key with id {key_id}")
+    grace_seconds = parse_duration("--grace", grace)
+    with database() as conn:
+        rotated = auth.rotate_key(conn, int(key_id), grace_seconds)
+    if rotated is None:
+        raise BadInput(f"no live key with id {key_id} (unknown or revoked): nothing rotated")
+    key, row = rotated
+    click.echo(
+        f"rotated key {row['id']} ({row['prefix']}..., plan {row['plan']}); the old secret works "
+        f"until {row['previous_valid_until']:%Y-%m-%d %H:%M:%S%z}; the new one is shown only now:"
+    )
+    click.echo(key)
 
 
 @main.group("bans")
@@ -209,11 +317,33 @@ def bans_list() -> None:
 @bans_group.command("lift")
 @click.argument("key_id", type=int)
 def bans_lift(key_id: int) -> None:
-    """End the key's active ban now."""
-    with database() as conn:
+    """End the key's active ban now, and clear its strikes: it starts again from a full threshold."""
+    settings = load_settings()
+    with database(settings) as conn:
         if not bans.lift_bans(conn, key_id):
             raise click.ClickException(f"key {key_id} has no active ban")
-    click.echo(f"lifted the ban of key {key_id}")
+    try:
+        clear_strikes(settings, key_id)
+    except Exception as exc:
+        raise click.ClickException(
+            f"lifted the ban of key {key_id}, but could not clear its strikes in the rate limit "
+            f"storage ({type(exc).__name__}: {exc}); they expire with their window"
+        ) from None
+    click.echo(f"lifted the ban of key {key_id} and cleared its strikes")
+
+
+def clear_strikes(settings: dict[str, Any], key_id: int) -> None:
+    """Forget the key's strikes in the limiter storage of `settings` (the service's own)."""
+    from limits.storage import storage_from_string
+
+    from petstore import bans as ban_rules
+    from petstore import budgets, storages
+
+    storage = storage_from_string(
+        storages.storage_uri(settings["RATELIMIT_STORAGE_URI"]),
+        **budgets.storage_options(settings),
+    )
+    storage.clear(ban_rules.strike_key(settings, key_id))
 
 
 def ensure_database(server_url: str, dbname: str) -> None:

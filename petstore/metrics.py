@@ -48,6 +48,7 @@ OPERATIONS: dict[str | None, str] = {
     "pets.create_pet": "createPet",
     "pets.get_pet": "getPet",
     "orders.list_orders": "listOrders",
+    "rate_limit.get_rate_limit": "getRateLimit",
     "docs.openapi_json": "openapi",
     "docs.docs_page": "docs",
     "docs.docs_asset": "docsAsset",

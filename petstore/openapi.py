@@ -25,6 +25,7 @@ JSON = "application/json"
 ERROR_CODES: dict[int, tuple[str, ...]] = {
     400: ("invalid_request",),
     401: ("unauthorized",),
+    403: ("insufficient_scope",),
     404: ("not_found",),
     409: ("idempotency_key_reused",),
     410: ("gone",),
@@ -36,22 +37,32 @@ ERROR_CODES: dict[int, tuple[str, ...]] = {
     503: ("service_unavailable",),
 }
 
-RATE_LIMIT_HEADERS = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
+RATE_LIMIT_HEADERS = (
+    "X-RateLimit-Limit",
+    "X-RateLimit-Remaining",
+    "X-RateLimit-Reset",
+    "RateLimit-Policy",
+    "RateLimit",
+)
 
 DESCRIPTION = """\
 The Animal Store: list, add and fetch the animals ("pets") of a store's catalogue.
 
 **Authentication.** Every operation needs an API key sent as a bearer token:
-`Authorization: Bearer <key>`. A missing, malformed, unknown or revoked key gets 401.
+`Authorization: Bearer <key>`. A missing, malformed, unknown, revoked or expired key gets
+401. A key may be read-only: creating with it gets 403 `insufficient_scope`.
 
 **Rate limits.** Each key spends one budget across the whole API, per minute and per day:
 {plans}, enterprise as agreed. Requests without a valid key are counted per client IP. Every
 response carries
 `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` (unix seconds) of the
-limit in force: the breached one on a 429, else the one with the fewest requests left. A 429
+limit in force: the breached one on a 429, else the one with the fewest requests left, and
+the same as `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers-10). A 429
 (`rate_limited`) says in `Retry-After` when to try again; wait that long and back off
-exponentially. Each 429 is a strike: a key that keeps calling is banned for a while and every
-request then gets 429 `api_key_banned`, with `Retry-After` until the ban ends.
+exponentially. Each 429 is a strike, and its message says how many more refused requests in
+the window ban the key and for how long: a key that keeps calling is banned for a while and every
+request then gets 429 `api_key_banned`, with `Retry-After` until the ban ends. `GET /rate_limit`
+shows a key its standing without spending budget, also while throttled or banned.
 
 **Errors.** Every error of every status is `application/json` with the Error shape
 (`code`, `message`, `status`); a validation 400 adds `errors`, naming each bad field.
@@ -94,6 +105,7 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
     spec.components.schema("NewPet", schema=schemas.NewPetSchema)
     spec.components.schema("Pet", schema=schemas.PetSchema)
     spec.components.schema("Error", schema=schemas.ErrorSchema)
+    spec.components.schema("RateLimit", schema=schemas.RateLimitSchema)
     spec.components.security_scheme(
         SECURITY_SCHEME,
         {
@@ -128,6 +140,26 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
         },
     )
     spec.components.header(
+        "RateLimit-Policy",
+        {
+            "description": "The key's quota policies (draft-ietf-httpapi-ratelimit-headers-10, "
+            "a structured-field List): one item per limit, its quota `q` and window `w` in "
+            'seconds, e.g. `"minute";q=60;w=60, "day";q=1000;w=86400`.',
+            "required": True,
+            "schema": {"type": "string"},
+        },
+    )
+    spec.components.header(
+        "RateLimit",
+        {
+            "description": "The limit in force, as in X-RateLimit-* (the same draft): its "
+            "policy name, remaining requests `r` and seconds `t` until its window ends, "
+            'e.g. `"minute";r=42;t=17`.',
+            "required": True,
+            "schema": {"type": "string"},
+        },
+    )
+    spec.components.header(
         "Retry-After",
         {
             "description": "Seconds to wait before trying again.",
@@ -139,7 +171,8 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
         "WWW-Authenticate",
         {
             "description": 'The challenge: `Bearer realm="petstore"`, plus `error="invalid_token"` '
-            "when a token was sent (RFC 6750).",
+            'when a token was sent, or `error="insufficient_scope"` and the `scope` needed '
+            "(RFC 6750).",
             "required": True,
             "schema": {"type": "string"},
         },
@@ -207,7 +240,9 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
     spec.components.response(
         "Unauthorized",
         error_response(
-            401, "The API key is missing, malformed, unknown or revoked.", ("WWW-Authenticate",)
+            401,
+            "The API key is missing, malformed, unknown, revoked or expired.",
+            ("WWW-Authenticate",),
         ),
     )
     spec.components.response(
@@ -298,6 +333,12 @@ def add_paths(spec: APISpec, config: Mapping[str, Any]) -> None:
                         },
                     },
                     "400": "BadRequest",
+                    "403": error_response(
+                        403,
+                        "The API key lacks the `write` scope (a read-only key); "
+                        '`WWW-Authenticate` says `error="insufficient_scope", scope="write"`.',
+                        ("WWW-Authenticate",),
+                    ),
                     "409": error_response(
                         409, "The `Idempotency-Key` was used before with a different body."
                     ),
@@ -343,6 +384,29 @@ def add_paths(spec: APISpec, config: Mapping[str, Any]) -> None:
                     "410": deprecated_error(
                         410, f"The operation was removed at its sunset ({sunset})."
                     ),
+                    **common_responses(),
+                },
+            }
+        },
+    )
+    spec.path(
+        "/rate_limit",
+        operations={
+            "get": {
+                "operationId": "getRateLimit",
+                "tags": ["rate limits"],
+                "summary": "The caller's own rate limits, ban and strikes",
+                "description": "Spends no budget and counts no strike, and answers 200 also "
+                "while the key is throttled or banned, so a client can learn when to come back. "
+                "Without a valid key it is a 401 like any other operation, counted against the "
+                "client's address.",
+                "responses": {
+                    "200": {
+                        "description": "The key's standing; X-RateLimit-* show the limit nearest "
+                        "to running out.",
+                        "headers": rate_limit_headers(),
+                        "content": {JSON: {"schema": "RateLimit"}},
+                    },
                     **common_responses(),
                 },
             }
@@ -424,6 +488,7 @@ def build_document(config: Mapping[str, Any], base_url: str | None = None) -> di
         tags=[
             {"name": "pets", "description": "The animals of the catalogue."},
             {"name": "store", "description": "Store orders (named by the specification only)."},
+            {"name": "rate limits", "description": "The caller's own budget and standing."},
         ],
     )
     add_components(spec, config)

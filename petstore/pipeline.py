@@ -1,18 +1,23 @@
 """The request path, in order. create_app registers `before_view` and `after_view`; nothing else runs
 around a view.
 
-    identify → count → refuse banned → require a key → view → headers → log
+    identify → count → refuse banned → require a key → require a scope → view → headers → log
 
 - identify (auth): the key of the request, or the 401 it will get; a database that cannot be
   asked is a 503 right here, with no budget spent.
 - count (budgets): one request off the caller's budget (the key's, else the client address's);
   429 when it is spent, with a strike against the key (bans).
 - refuse banned (bans): a banned key gets 429 api_key_banned and spends nothing.
-- require a key (auth): the 401 found by identify.
+- require a key (auth): the 401 found by identify (unknown, revoked or expired key).
+- require a scope (auth): 403 insufficient_scope when the key lacks the scope its view
+  declares (auth.needs_scope; read by default). After counting, so the 403 spends budget.
 - view: parses with a schema, runs one query function.
 - headers (budgets): X-RateLimit-* on every counted /v1 answer, errors included.
 - log (logs): the request id header and one JSON line; metrics (metrics): the request tallied
   by operation and status, with its latency.
+
+A view marked auth.uncounted (GET /v1/rate_limit) skips counting, bans and scopes for a
+valid key; without one it is counted and refused like any other path.
 
 Paths outside /v1 (the health probes, /metrics) only get the request id, the log line and
 the tally.
@@ -34,16 +39,20 @@ def before_view() -> None:
     if request.method == "POST":
         # Before a pooled connection is taken: a slow body holds a thread, never a connection.
         web.read_body()
+    view = auth.current_view()
     try:
-        caller, refusal = auth.identify_caller()
+        caller, refusal = auth.identify_caller(view)
     except DATABASE_UNAVAILABLE:
         budgets.show_unspent()
         raise
     g.caller = caller  # for the view (idempotency records are per key) and the log line
+    if caller is not None and getattr(view, "uncounted", False):
+        return  # GET /v1/rate_limit: a valid key's own standing, never counted nor refused
     if caller is None or caller["banned_until"] is None:
         budgets.count(caller)
     bans.refuse_banned(caller)
     auth.require_caller(refusal)
+    auth.require_scope(caller, view)
 
 
 def after_view(response: Response) -> Response:

@@ -162,5 +162,84 @@ class ErrorSchema(Schema):
     )
 
 
+class WindowSchema(Schema):
+    """One limit of the caller, in its current window."""
+
+    limit = fields.Integer(
+        required=True, metadata={"description": "Requests allowed per window.", "example": 60}
+    )
+    remaining = fields.Integer(
+        required=True, metadata={"description": "Requests left in this window.", "example": 42}
+    )
+    used = fields.Integer(
+        required=True,
+        metadata={
+            "description": "Requests counted in this window (`limit - remaining`).",
+            "example": 18,
+        },
+    )
+    reset = fields.Integer(
+        required=True,
+        metadata={
+            "description": "When this window ends: unix time, in seconds.",
+            "example": 1795662559,
+        },
+    )
+
+
+class BanSchema(Schema):
+    """An active ban of the key."""
+
+    until = fields.Integer(
+        required=True,
+        metadata={
+            "description": "When the ban ends: unix time, in seconds.",
+            "example": 1795662559,
+        },
+    )
+
+
+class StrikesSchema(Schema):
+    """429s counted against the key in the current strike window."""
+
+    count = fields.Integer(
+        required=True, metadata={"description": "Strikes so far in this window.", "example": 0}
+    )
+    threshold = fields.Integer(
+        required=True,
+        metadata={"description": "Strikes in one window that ban the key.", "example": 10},
+    )
+
+
+class RateLimitSchema(Schema):
+    """The caller's own standing: GET /rate_limit."""
+
+    plan = fields.String(
+        required=True,
+        metadata={
+            "enum": ["free", "pro", "business", "enterprise"],
+            "description": "The key's plan.",
+            "example": "free",
+        },
+    )
+    limits = fields.Dict(
+        keys=fields.String(),
+        values=fields.Nested(WindowSchema),
+        required=True,
+        metadata={
+            "description": "Each limit by its window (`minute`, `day`), with the key's own "
+            "numbers (enterprise and per-key overrides included)."
+        },
+    )
+    ban = fields.Nested(
+        BanSchema,
+        required=True,
+        allow_none=True,
+        metadata={"description": "The active ban, or null."},
+    )
+    strikes = fields.Nested(StrikesSchema, required=True)
+
+
 new_pet = NewPetSchema()
 list_pets_query = ListPetsQuery()
+rate_limit = RateLimitSchema()

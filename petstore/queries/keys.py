@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from petstore.db import Connection
 
 
 def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None:
-    """The live key with this hash: id, plan, per-key numbers and the end of any active ban.
+    """The unrevoked key with this secret's hash: id, plan, per-key numbers, scopes (separated by
+    spaces), whether it has expired, and the end of any active ban.
 
-    One query for both, so that checking bans costs no second round trip.
+    The hash is the key's current secret, or its previous one within the grace of a rotation.
+    An expired key is returned too (`expired`), so that its 401 can say so. One query for all
+    of it, so that checking expiry, scopes and bans costs no second round trip.
     """
     return conn.execute(
         """
@@ -18,6 +23,8 @@ def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None
                k.plan,
                k.per_minute,
                k.per_day,
+               array_to_string(k.scopes, ' ') as scopes,
+               coalesce(k.expires_at <= now(), false) as expired,
                b.banned_until
           from api_keys k
           left join lateral (
@@ -29,7 +36,8 @@ def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None
                     order by banned_until desc
                     limit 1
                ) b on true
-         where k.key_hash = %(key_hash)s
+         where (k.key_hash = %(key_hash)s
+                or (k.previous_key_hash = %(key_hash)s and k.previous_valid_until > now()))
            and k.revoked_at is null
         """,
         {"key_hash": key_hash},
@@ -45,13 +53,17 @@ def insert_key(
     plan: str,
     per_minute: int | None,
     per_day: int | None,
+    expires_at: datetime | None = None,
+    scopes: Sequence[str] = ("read", "write"),
 ) -> dict[str, Any]:
     """Store a new key (its hash only) and return its row."""
     row = conn.execute(
         """
-        insert into api_keys (key_hash, prefix, label, plan, per_minute, per_day)
-        values (%(key_hash)s, %(prefix)s, %(label)s, %(plan)s, %(per_minute)s, %(per_day)s)
-        returning id, prefix, label, plan, per_minute, per_day, created_at
+        insert into api_keys (key_hash, prefix, label, plan, per_minute, per_day, expires_at,
+                              scopes)
+        values (%(key_hash)s, %(prefix)s, %(label)s, %(plan)s, %(per_minute)s, %(per_day)s,
+                %(expires_at)s, %(scopes)s)
+        returning id, prefix, label, plan, per_minute, per_day, created_at, expires_at, scopes
         """,
         {
             "key_hash": key_hash,
@@ -60,6 +72,8 @@ def insert_key(
             "plan": plan,
             "per_minute": per_minute,
             "per_day": per_day,
+            "expires_at": expires_at,
+            "scopes": list(scopes),
         },
     ).fetchone()
     assert row is not None
@@ -77,7 +91,10 @@ def list_keys(conn: Connection) -> list[dict[str, Any]]:
                per_minute,
                per_day,
                created_at,
-               revoked_at
+               revoked_at,
+               expires_at,
+               coalesce(expires_at <= now(), false) as expired,
+               scopes
           from api_keys
          order by id
         """
@@ -110,3 +127,26 @@ def revoke_keys_labelled(conn: Connection, label: str) -> int:
         {"label": label},
     )
     return cur.rowcount
+
+
+def rotate_key(
+    conn: Connection, key_id: int, *, key_hash: bytes, prefix: str, grace_seconds: int
+) -> dict[str, Any] | None:
+    """Give an unrevoked key a new secret; its current one stays valid for `grace_seconds`.
+
+    The row, and so its id, plan, numbers and every budget and ban keyed by that id, stays the
+    same. None when there is no such unrevoked key.
+    """
+    return conn.execute(
+        """
+        update api_keys
+           set previous_key_hash = key_hash,
+               previous_valid_until = now() + make_interval(secs => %(grace_seconds)s),
+               key_hash = %(key_hash)s,
+               prefix = %(prefix)s
+         where id = %(key_id)s
+           and revoked_at is null
+        returning id, prefix, plan, previous_valid_until
+        """,
+        {"key_id": key_id, "key_hash": key_hash, "prefix": prefix, "grace_seconds": grace_seconds},
+    ).fetchone()

@@ -8,6 +8,7 @@ from flask import Blueprint, Response, current_app
 from werkzeug.http import http_date
 
 from petstore import idempotency, schemas
+from petstore.auth import needs_scope
 from petstore.db import Connection, get_conn
 from petstore.errors import APIError
 from petstore.queries import pets
@@ -40,6 +41,7 @@ def list_pets() -> Response:
 
 
 @bp.post("/pets")
+@needs_scope("write")
 def create_pet() -> Response:
     """createPet: store a NewPet, answer 201 with the Pet and its Location; Idempotency-Key aware."""
     new_pet = validate(schemas.new_pet, json_body())

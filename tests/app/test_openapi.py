@@ -28,13 +28,15 @@ OPERATIONS = {
     ("/pets", "post"): "createPet",
     ("/pets/{petId}", "get"): "getPet",
     ("/store/orders", "get"): "listOrders",
+    ("/rate_limit", "get"): "getRateLimit",
 }
 # Every status each operation really answers (see petstore.errors, limits, auth and the views).
 STATUSES = {
     "listPets": {"200", "400", "401", "429", "500", "503"},
-    "createPet": {"201", "400", "401", "409", "413", "415", "429", "500", "503"},
+    "createPet": {"201", "400", "401", "403", "409", "413", "415", "429", "500", "503"},
     "getPet": {"200", "401", "404", "410", "429", "500", "503"},
     "listOrders": {"401", "429", "500", "501", "503"},
+    "getRateLimit": {"200", "401", "429", "500", "503"},
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -79,10 +80,10 @@ def test_the_cluster_scheme_counts_in_one_call(cluster: list[RedisClusterNode]) 
     storage = storages.CountingClusterStorage(
         storages.storage_uri(storage_uri(cluster)), socket_timeout=1.0
     )
-    storage.forget()
     for n in range(1, 4):
         assert storage.incr(f"probe/{n}", 60) == 1
-    assert storage.incr("probe/1", 60) == 2
+    count, end = storage.incr_with_expiry("probe/1", 60)
+    assert count == 2 and time.time() < end <= time.time() + 60
     assert storage.get("probe/1") == 2
     client = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster[0].port)
     try:

@@ -128,3 +128,35 @@ def test_create_list_and_fetch_with_the_generated_client(
         refused = list_pets.sync(client=anonymous)
         assert isinstance(refused, models.Error)
         assert (refused.code, refused.status) == ("unauthorized", 401)
+
+
+def test_rate_limit_and_scopes_with_the_generated_client(
+    client_package: ModuleType, server: Gunicorn, issue_key: Callable[..., str], conn: db.Connection
+) -> None:
+    get_rate_limit = importlib.import_module(f"{PACKAGE}.api.rate_limits.get_rate_limit")
+    create_pet = importlib.import_module(f"{PACKAGE}.api.pets.create_pet")
+    list_pets = importlib.import_module(f"{PACKAGE}.api.pets.list_pets")
+    models = importlib.import_module(f"{PACKAGE}.models")
+    read_only = issue_key("pro")
+    conn.execute("update api_keys set scopes = '{read}'")
+
+    client = client_package.AuthenticatedClient(
+        base_url=f"{server.url}/v1", token=read_only, raise_on_unexpected_status=True
+    )
+    with client:
+        assert list_pets.sync(client=client) == []
+        refused = create_pet.sync_detailed(
+            client=client, body=models.NewPet(name="Rex", category_id=1)
+        )
+        assert refused.status_code == 403
+        assert isinstance(refused.parsed, models.Error)
+        assert refused.parsed.code == "insufficient_scope"
+
+        standing = get_rate_limit.sync(client=client)
+        assert isinstance(standing, models.RateLimit)
+        assert standing.plan == "pro"
+        minute = standing.limits["minute"]
+        assert (minute.limit, minute.remaining, minute.used) == (300, 298, 2)
+        assert standing.limits["day"].limit == 10_000
+        assert standing.ban is None
+        assert (standing.strikes.count, standing.strikes.threshold) == (0, 10)

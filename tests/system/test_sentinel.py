@@ -102,10 +102,9 @@ def test_the_sentinel_scheme_counts_in_one_call(topology: Topology) -> None:
     storage = storages.CountingSentinelStorage(
         storages.storage_uri(topology.storage_uri), socket_timeout=1.0, use_replicas=False
     )
-    storage.forget()
     assert storage.incr("probe", 60) == 1
-    assert storage.incr("probe", 60) == 2
-    assert storage.remembered("probe") is not None
+    count, end = storage.incr_with_expiry("probe", 60)
+    assert count == 2 and time.time() < end <= time.time() + 60
     assert storage.get("probe") == 2
     master = redis.Redis(port=topology.master.port)
     assert master.get(storage.prefixed_key("probe")) == b"2"

@@ -1,0 +1,305 @@
+"""What an operator controls on a key, over HTTP and the CLI: expiry, scopes and rotation (issue 14)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pytest
+from click.testing import CliRunner, Result
+from flask import Flask
+from flask.testing import FlaskClient
+
+from conftest import count_pets
+from petstore import db
+from petstore.cli import main
+from support.checks import assert_error
+
+KEY = re.compile(r"ps_[A-Za-z0-9_-]{43}")
+INSUFFICIENT_SCOPE = 'Bearer realm="petstore", error="insufficient_scope", scope="write"'
+NEW_PET = {"name": "Rex", "categoryId": 1}
+
+Cli = Callable[..., Result]
+
+
+@pytest.fixture
+def cli(database_url: str, conn: db.Connection, tmp_path: Path) -> Cli:
+    """`petstore ARGS...` in-process against the (emptied) test database."""
+
+    def run(*args: str) -> Result:
+        environ = {"DATABASE_URL": database_url, "PETSTORE_VAR_DIR": str(tmp_path)}
+        return CliRunner().invoke(main, list(args), env=environ)
+
+    return run
+
+
+def printed_key(result: Result) -> str:
+    assert result.exit_code == 0, result.output
+    last = result.stdout.splitlines()[-1]
+    assert KEY.fullmatch(last), last
+    return last
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def key_id(conn: db.Connection, key: str) -> int:
+    row = conn.execute(
+        "select id from api_keys where key_hash = %s", [hashlib.sha256(key.encode()).digest()]
+    ).fetchone()
+    assert row is not None
+    return int(row["id"])
+
+
+def table(conn: db.Connection) -> list[dict[str, object]]:
+    return conn.execute("select * from api_keys order by id").fetchall()
+
+
+def assert_one_line_refusal(result: Result, *words: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    for word in words:
+        assert word in lines[0]
+
+
+# expiry
+
+
+def expire_now(conn: db.Connection, key: str) -> None:
+    """Move the key's life into the past (the constraint forbids creating it so)."""
+    conn.execute(
+        "update api_keys set created_at = now() - interval '2 days',"
+        " expires_at = now() - interval '1 second' where id = %s",
+        [key_id(conn, key)],
+    )
+
+
+def test_a_key_works_until_it_expires_then_gets_its_own_401(
+    cli: Cli, conn: db.Connection, client: FlaskClient
+) -> None:
+    key = printed_key(cli("keys", "create", "--plan", "free", "--expires-in", "90d"))
+    assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
+
+    expire_now(conn, key)
+    response = client.get("/v1/pets", headers=bearer(key))
+
+    body = assert_error(response, 401, "unauthorized")
+    assert body["message"] == "The API key has expired."
+    assert response.headers["WWW-Authenticate"] == 'Bearer realm="petstore", error="invalid_token"'
+    unknown = client.get("/v1/pets", headers=bearer("ps_" + "A" * 43))
+    assert unknown.get_json()["message"] != body["message"]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "seconds"),
+    [
+        ("--expires-in", "90d", 90 * 86400),
+        ("--expires-in", "12h", 12 * 3600),
+        ("--expires-in", "30m", 30 * 60),
+    ],
+)
+def test_expires_in_sets_the_expiry(
+    cli: Cli, conn: db.Connection, option: str, value: str, seconds: int
+) -> None:
+    printed_key(cli("keys", "create", "--plan", "free", option, value))
+    row = conn.execute(
+        "select extract(epoch from expires_at - created_at) as s from api_keys"
+    ).fetchone()
+    assert row is not None
+    assert abs(float(row["s"]) - seconds) < 60
+
+
+def test_expires_at_and_keys_list_shows_it(cli: Cli, conn: db.Connection) -> None:
+    printed_key(cli("keys", "create", "--plan", "pro", "--expires-at", "2099-01-31T12:00:00Z"))
+    printed_key(cli("keys", "create", "--plan", "free", "--label", "forever"))
+    expired = printed_key(cli("keys", "create", "--plan", "free", "--expires-in", "1h"))
+    expire_now(conn, expired)
+
+    lines = cli("keys", "list").stdout.splitlines()
+
+    assert "expires" in lines[0].split()
+    assert "2099-01-31 12:00:00+0000" in lines[1]
+    assert "never" in lines[2].split() and "live" in lines[2].split()
+    assert "expired" in lines[3].split()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["--expires-in", "0d"], id="zero"),
+        pytest.param(["--expires-in", "soon"], id="words"),
+        pytest.param(["--expires-in", "-5d"], id="negative"),
+        pytest.param(["--expires-in", "5w"], id="unknown-unit"),
+        pytest.param(["--expires-at", "2001-01-01T00:00:00Z"], id="past"),
+        pytest.param(["--expires-at", "tomorrow"], id="not-iso"),
+        pytest.param(["--expires-in", "1d", "--expires-at", "2099-01-01"], id="both"),
+        pytest.param(["--scope", "admin"], id="unknown-scope"),
+        pytest.param(["--scope", "read,delete"], id="one-unknown-scope"),
+    ],
+)
+def test_bad_key_options_are_one_line_exit_2_and_store_nothing(
+    cli: Cli, conn: db.Connection, args: list[str]
+) -> None:
+    result = cli("keys", "create", "--plan", "free", *args)
+
+    assert_one_line_refusal(result, args[0])
+    assert table(conn) == []
+
+
+def test_the_database_refuses_an_expiry_in_the_past(conn: db.Connection) -> None:
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute(
+            "insert into api_keys (key_hash, prefix, plan, expires_at)"
+            " values (%s, 'ps_x', 'free', now() - interval '1 minute')",
+            [b"x" * 32],
+        )
+
+
+# scopes
+
+
+def test_a_read_key_lists_and_gets_but_may_not_create(
+    cli: Cli, conn: db.Connection, client: FlaskClient
+) -> None:
+    key = printed_key(cli("keys", "create", "--plan", "free", "--scope", "read"))
+    created = client.post(
+        "/v1/pets",
+        json=NEW_PET,
+        headers=bearer(printed_key(cli("keys", "create", "--plan", "free"))),
+    )
+    assert created.status_code == 201
+    pets_before = count_pets(conn)
+
+    assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
+    assert client.get("/v1/pets/1", headers=bearer(key)).status_code in (200, 410)
+    refused = client.post("/v1/pets", json=NEW_PET, headers=bearer(key))
+
+    body = assert_error(refused, 403, "insufficient_scope")
+    assert "write" in body["message"]
+    assert refused.headers.get_all("WWW-Authenticate") == [INSUFFICIENT_SCOPE]
+    assert count_pets(conn) == pets_before
+
+
+def test_the_403_spends_budget_like_any_answer(cli: Cli, client: FlaskClient) -> None:
+    key = printed_key(cli("keys", "create", "--plan", "free", "--scope", "read"))
+    first = client.post("/v1/pets", json=NEW_PET, headers=bearer(key))
+    second = client.post("/v1/pets", json=NEW_PET, headers=bearer(key))
+
+    assert first.status_code == second.status_code == 403
+    assert int(first.headers["X-RateLimit-Remaining"]) == 59
+    assert int(second.headers["X-RateLimit-Remaining"]) == 58
+
+
+def test_default_scopes_are_read_and_write(cli: Cli, conn: db.Connection) -> None:
+    printed_key(cli("keys", "create", "--plan", "free"))
+    printed_key(cli("keys", "create", "--plan", "free", "--scope", "write", "--scope", "read"))
+    assert [row["scopes"] for row in table(conn)] == [["read", "write"], ["write", "read"]]
+
+
+@pytest.mark.parametrize("scopes", [["admin"], [], ["read", None]])
+def test_the_database_refuses_a_scope_outside_the_set(
+    conn: db.Connection, scopes: list[str | None]
+) -> None:
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute(
+            "insert into api_keys (key_hash, prefix, plan, scopes) values (%s, 'ps_x', 'free', %s)",
+            [b"x" * 32, scopes],
+        )
+
+
+# rotation
+
+
+def rotate(cli: Cli, key_id: int, *args: str) -> str:
+    result = cli("keys", "rotate", str(key_id), *args)
+    assert "the old secret works until" in result.stdout
+    return printed_key(result)
+
+
+def test_rotation_keeps_the_key_and_its_budget_and_the_old_secret_for_the_grace(
+    cli: Cli, conn: db.Connection, client: FlaskClient
+) -> None:
+    old = printed_key(cli("keys", "create", "--plan", "free", "--label", "app"))
+    ident = key_id(conn, old)
+    for _ in range(3):
+        client.get("/v1/pets", headers=bearer(old))
+
+    new = rotate(cli, ident, "--grace", "1h")
+
+    assert new != old and key_id(conn, new) == ident
+    with_new = client.get("/v1/pets", headers=bearer(new))
+    with_old = client.get("/v1/pets", headers=bearer(old))
+    assert with_new.status_code == with_old.status_code == 200
+    # One budget: the counts before the rotation are still spent.
+    assert with_new.headers["X-RateLimit-Remaining"] == "56"
+    assert with_old.headers["X-RateLimit-Remaining"] == "55"
+    assert [(row["plan"], row["label"]) for row in table(conn)] == [("free", "app")]
+
+    conn.execute("update api_keys set previous_valid_until = now() where id = %s", [ident])
+    after_grace = client.get("/v1/pets", headers=bearer(old))
+    body = assert_error(after_grace, 401, "unauthorized")
+    assert body["message"] == "The API key is not valid."
+    assert client.get("/v1/pets", headers=bearer(new)).status_code == 200
+
+
+def test_rotation_does_not_end_a_ban(
+    make_app: Callable[..., Flask], cli: Cli, conn: db.Connection
+) -> None:
+    client = make_app(BAN_THRESHOLD=1).test_client()
+    old = printed_key(
+        cli("keys", "create", "--plan", "enterprise", "--per-minute", "1", "--per-day", "100")
+    )
+    for _ in range(2):
+        client.get("/v1/pets", headers=bearer(old))
+
+    new = rotate(cli, key_id(conn, old))
+
+    banned = client.get("/v1/pets", headers=bearer(new))
+    assert_error(banned, 429, "api_key_banned")
+
+
+def test_rotating_twice_keeps_only_the_last_previous_secret(
+    cli: Cli, conn: db.Connection, client: FlaskClient
+) -> None:
+    first = printed_key(cli("keys", "create", "--plan", "free"))
+    second = rotate(cli, key_id(conn, first))
+    third = rotate(cli, key_id(conn, second))
+
+    assert client.get("/v1/pets", headers=bearer(first)).status_code == 401
+    assert client.get("/v1/pets", headers=bearer(second)).status_code == 200
+    assert client.get("/v1/pets", headers=bearer(third)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("target", "args", "words"),
+    [
+        pytest.param("unknown", [], ["no live key"], id="unknown"),
+        pytest.param("revoked", [], ["no live key"], id="revoked"),
+        pytest.param("not-a-number", [], ["no live key"], id="not-a-number"),
+        pytest.param("live", ["--grace", "0h"], ["--grace"], id="zero-grace"),
+        pytest.param("live", ["--grace", "a while"], ["--grace"], id="bad-grace"),
+    ],
+)
+def test_bad_rotations_are_one_line_exit_2_and_change_nothing(
+    cli: Cli, conn: db.Connection, target: str, args: list[str], words: list[str]
+) -> None:
+    live = printed_key(cli("keys", "create", "--plan", "free"))
+    revoked = printed_key(cli("keys", "create", "--plan", "free"))
+    assert cli("keys", "revoke", str(key_id(conn, revoked))).exit_code == 0
+    ids = {
+        "unknown": "999",
+        "revoked": str(key_id(conn, revoked)),
+        "not-a-number": "abc",
+        "live": str(key_id(conn, live)),
+    }
+    before = table(conn)
+
+    result = cli("keys", "rotate", ids[target], *args)
+
+    assert_one_line_refusal(result, *words)
+    assert table(conn) == before
