@@ -17,6 +17,16 @@ import sys
 import tempfile
 from typing import Any
 
+# PROMETHEUS_MULTIPROC_DIR: where the workers write their metrics for GET /metrics to sum
+# (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own
+# and removes it on exit; several instances on one host need one directory each. Set first, before
+# petstore is imported (below, for the settings check): prometheus_client reads it once, on
+# import, and the workers inherit it.
+if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="petstore-metrics-")
+    # Remembered in the environment: a reload (SIGHUP) reads this file again.
+    os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+
 from petstore import config as _config
 from petstore import overrides
 
@@ -130,17 +140,6 @@ def post_worker_init(worker: Any) -> None:
             listener.sock.close()
 
     signal.signal(signal.SIGTERM, stop_listening_then_exit)
-
-
-# PROMETHEUS_MULTIPROC_DIR: where the workers write their metrics for GET /metrics to sum
-# (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own
-# and removes it on exit; several instances on one host need one directory each. Set here, when
-# gunicorn reads this file: prometheus_client reads it once, on import, and the master imports
-# petstore (for the log format, below) before any hook runs; the workers inherit it.
-if not _env("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="petstore-metrics-")
-    # Remembered in the environment: a reload (SIGHUP) reads this file again.
-    os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 
 def on_starting(server: Any) -> None:
