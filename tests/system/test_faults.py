@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from petstore import auth, cli, config, db
-from support.nginx import Answer, DeployedGunicorn, Nginx, call
+from support.checks import Answer, call
+from support.nginx import DeployedGunicorn, Nginx
 from support.servers import (
     PgBouncer,
     RedisReplica,
