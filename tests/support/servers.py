@@ -44,6 +44,18 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def run_every(steps: Sequence[Callable[[], None]]) -> None:
+    """Run each step even when one before it raised (stopping a stack of servers); then raise the first error."""
+    errors = []
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # keep stopping the others
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
 class ServerFailed(RuntimeError):
     """A server process exited early or did not answer in time."""
 

@@ -216,6 +216,23 @@ CLIENTS = 32
 REQUESTS = 400
 
 
+def burst_across_workers(
+    database_url: str, redis_url: str, key: str, tmp_path: Path, **environ: str
+) -> tuple[list[Answer], str]:
+    """REQUESTS GETs from CLIENTS threads at a gunicorn of WORKERS booted workers; (answers, its log)."""
+    with gunicorn(
+        database_url,
+        redis_url,
+        tmp_path / "gunicorn.log",
+        workers=WORKERS,
+        threads=THREADS,
+        **environ,
+    ) as server:
+        server.wait_for_workers(answering=True)
+        answers = burst(http_getter(server.url, key, HANG_LIMIT), REQUESTS, CLIENTS)
+        return answers, server.log_path.read_text()
+
+
 def test_exact_count_across_gunicorn_workers(
     database_url: str,
     redis_url: str,
@@ -224,17 +241,9 @@ def test_exact_count_across_gunicorn_workers(
     tmp_path: Path,
 ) -> None:
     key = issue_key("free")
-    with gunicorn(
-        database_url,
-        redis_url,
-        tmp_path / "gunicorn.log",
-        workers=WORKERS,
-        threads=THREADS,
-        PETSTORE_BAN_THRESHOLD="1000000",
-    ) as server:
-        server.wait_for_workers(answering=True)
-        answers = burst(http_getter(server.url, key, HANG_LIMIT), REQUESTS, CLIENTS)
-        log = server.log_path.read_text()
+    answers, log = burst_across_workers(
+        database_url, redis_url, key, tmp_path, PETSTORE_BAN_THRESHOLD="1000000"
+    )
 
     assert Counter(answer.status for answer in answers) == {200: 60, 429: REQUESTS - 60}
     for answer in answers:
@@ -265,18 +274,14 @@ def test_default_threshold_bans_key_under_concurrency(
     tmp_path: Path,
 ) -> None:
     key = issue_key("free")
-    with gunicorn(
+    answers, log = burst_across_workers(
         database_url,
         redis_url,
-        tmp_path / "gunicorn.log",
-        workers=WORKERS,
-        threads=THREADS,
+        key,
+        tmp_path,
         PETSTORE_BAN_THRESHOLD="10",
         PETSTORE_BAN_SECONDS="900",
-    ) as server:
-        server.wait_for_workers(answering=True)
-        answers = burst(http_getter(server.url, key, HANG_LIMIT), REQUESTS, CLIENTS)
-        log = server.log_path.read_text()
+    )
 
     ban_rows = bans_of(conn, key_id_of(conn))
     assert len(ban_rows) == 1, f"one ban, however many workers saw the threshold: {ban_rows}"
