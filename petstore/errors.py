@@ -17,28 +17,58 @@ log = logging.getLogger(__name__)
 # What psycopg raises when PostgreSQL is down, restarting, unreachable or too slow.
 DATABASE_UNAVAILABLE = (psycopg.OperationalError, psycopg.InterfaceError, psycopg_pool.PoolTimeout)
 
-# HTTP status -> Error code, for errors raised by werkzeug itself.
-CODES = {
-    400: "invalid_request",
-    401: "unauthorized",
-    404: "not_found",
-    405: "method_not_allowed",
-    410: "gone",
-    413: "payload_too_large",
-    415: "unsupported_media_type",
-    429: "rate_limited",
-    500: "internal_error",
-    501: "not_implemented",
-    503: "service_unavailable",
+# Every Error code the service answers with, wherever the refusal is made: the app, gunicorn
+# (petstore.overrides.REFUSALS) and nginx (the error pages of deploy/nginx/petstore.conf).
+# code -> (its status, the message when nothing more specific is said; None where each answer
+# says its own). The OpenAPI document lists each status's codes from here, in this order, and
+# tests/app/test_deploy_files.py checks that gunicorn's and nginx's codes are here, with these
+# statuses.
+ERRORS: dict[str, tuple[int, str | None]] = {
+    "invalid_request": (400, None),
+    "unauthorized": (401, None),
+    "insufficient_scope": (403, None),
+    "forbidden": (403, None),
+    "not_found": (404, "No such resource."),
+    "method_not_allowed": (405, "This method is not allowed on this resource."),
+    "idempotency_key_reused": (409, None),
+    "gone": (410, None),
+    "payload_too_large": (413, "The request body is larger than the service accepts."),
+    "uri_too_long": (414, None),
+    "unsupported_media_type": (415, "The request body must be application/json."),
+    "expectation_failed": (417, None),
+    "rate_limited": (429, None),
+    "api_key_banned": (429, None),
+    "headers_too_large": (431, None),
+    "internal_error": (500, "The service failed to handle the request."),
+    "not_implemented": (501, None),
+    "service_unavailable": (503, None),
 }
 
-MESSAGES = {
-    404: "No such resource.",
-    405: "This method is not allowed on this resource.",
-    413: "The request body is larger than the service accepts.",
-    415: "The request body must be application/json.",
-    500: "The service failed to handle the request.",
+# The code of an error werkzeug raises itself, by its status (any other status: invalid_request).
+CODES = {
+    ERRORS[code][0]: code
+    for code in (
+        "invalid_request",
+        "unauthorized",
+        "not_found",
+        "method_not_allowed",
+        "gone",
+        "payload_too_large",
+        "unsupported_media_type",
+        "rate_limited",
+        "internal_error",
+        "not_implemented",
+        "service_unavailable",
+    )
 }
+
+# The message of an error werkzeug raises itself, where ours says more than its description.
+MESSAGES = {ERRORS[code][0]: message for code in CODES.values() if (message := ERRORS[code][1])}
+
+
+def codes_of(status: int) -> tuple[str, ...]:
+    """The Error codes answered with this status, in the table's order."""
+    return tuple(code for code, (code_status, _message) in ERRORS.items() if code_status == status)
 
 
 class APIError(Exception):

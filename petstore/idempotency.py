@@ -13,7 +13,7 @@ from flask import Response, current_app, g, request
 
 from petstore.db import Connection
 from petstore.errors import APIError
-from petstore.queries import idempotency
+from petstore.queries import idempotency as idempotency_sql
 
 HEADER = "Idempotency-Key"
 # Printable ASCII, 1 to 255 characters: what Stripe accepts (a UUID fits comfortably).
@@ -68,13 +68,13 @@ def once(
     """
     key_id = g.caller["id"]
     digest = fingerprint(payload)
-    stored = idempotency.find_response(conn, key_id=key_id, idempotency_key=key)
+    stored = idempotency_sql.find_response(conn, key_id=key_id, idempotency_key=key)
     if stored is not None:
         return replay(stored, digest)
     response: Response | None = None
     with conn.transaction():
         response = work(conn)
-        claimed = idempotency.claim(
+        claimed = idempotency_sql.claim(
             conn,
             key_id=key_id,
             idempotency_key=key,
@@ -88,6 +88,6 @@ def once(
             raise psycopg.Rollback()
     if response is not None:
         return response
-    stored = idempotency.find_response(conn, key_id=key_id, idempotency_key=key)
+    stored = idempotency_sql.find_response(conn, key_id=key_id, idempotency_key=key)
     assert stored is not None, "a claim lost to a committed record"
     return replay(stored, digest)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin
 from werkzeug.http import http_date
 
-from petstore import plans, schemas
+from petstore import errors, plans, schemas
 
 # 3.0, not 3.1: in 3.1 (JSON Schema 2020-12) `1.0` is an integer, but this service refuses it
 # for categoryId (a JSON integer literal is required); 3.0's Schema Object says the same as we do.
@@ -19,23 +18,6 @@ OPENAPI_VERSION = "3.0.3"
 API_VERSION = "1.0.0"
 SECURITY_SCHEME = "bearerAuth"
 JSON = "application/json"
-
-# name in the environment -> (Flask config key, default). Both URLs end with the version segment.
-# The Error codes each status answers with (petstore.errors, petstore.budgets, petstore.bans, the views).
-ERROR_CODES: dict[int, tuple[str, ...]] = {
-    400: ("invalid_request",),
-    401: ("unauthorized",),
-    403: ("insufficient_scope",),
-    404: ("not_found",),
-    409: ("idempotency_key_reused",),
-    410: ("gone",),
-    413: ("payload_too_large",),
-    415: ("unsupported_media_type",),
-    429: ("rate_limited", "api_key_banned"),
-    500: ("internal_error",),
-    501: ("not_implemented",),
-    503: ("service_unavailable",),
-}
 
 RATE_LIMIT_HEADERS = (
     "X-RateLimit-Limit",
@@ -82,7 +64,7 @@ def description() -> str:
 
 def error_response(status: int, description: str, headers: tuple[str, ...] = ()) -> dict[str, Any]:
     """A response object with the Error body, the rate-limit headers and `headers` (component ids)."""
-    codes = ", ".join(f"`{code}`" for code in ERROR_CODES[status])
+    codes = ", ".join(f"`{code}`" for code in errors.codes_of(status))
     return {
         "description": f"{description} Code: {codes}.",
         "headers": {**rate_limit_headers(), **{name: name for name in headers}},
@@ -277,160 +259,41 @@ def common_responses() -> dict[str, str]:
     }
 
 
+# An operation's OpenAPI description, from the app's settings: the Operation Object.
+Describe = Callable[[Mapping[str, Any]], dict[str, Any]]
+
+
+class Operations:
+    """The OpenAPI descriptions of one views module's operations, each written beside its view.
+
+    `@OPERATIONS.describe("/pets", "get")` on a function (settings -> Operation Object) next to
+    the view it describes; add_paths gathers every views module's, in the order written.
+    """
+
+    def __init__(self) -> None:
+        self.described: list[tuple[str, str, Describe]] = []
+
+    def describe(self, path: str, method: str) -> Callable[[Describe], Describe]:
+        """Register the decorated function as the description of `method` on `path` (under /v1)."""
+
+        def register(describe: Describe) -> Describe:
+            self.described.append((path, method, describe))
+            return describe
+
+        return register
+
+
 def add_paths(spec: APISpec, config: Mapping[str, Any]) -> None:
-    """The four operations of the specification, with every status each one really answers."""
-    sunset = http_date(config["SUNSET"])
-    sunset_day = time.strftime("%Y-%m-%d", time.gmtime(config["SUNSET"]))
-    spec.path(
-        "/pets",
-        operations={
-            "get": {
-                "operationId": "listPets",
-                "tags": ["pets"],
-                "summary": "List pets",
-                "description": "Pets by id ascending, at most `limit` of them, optionally only "
-                'those of one `status`. A full page carries `Link: <...>; rel="next"` to the '
-                "next one (a keyset cursor, `after`). Unknown query parameters are refused (400).",
-                "parameters": [{"in": "query", "schema": schemas.ListPetsQuery}],
-                "responses": {
-                    "200": {
-                        "description": "A page of pets.",
-                        "headers": {**rate_limit_headers(), "Link": "NextPage"},
-                        "content": {JSON: {"schema": {"type": "array", "items": "Pet"}}},
-                    },
-                    "400": "BadRequest",
-                    **common_responses(),
-                },
-            },
-            "post": {
-                "operationId": "createPet",
-                "tags": ["pets"],
-                "summary": "Add a pet",
-                "description": "Stores a NewPet and answers the Pet with its new `id`. A `status` "
-                "left out stays unstated (it is not defaulted).",
-                "parameters": [idempotency_key_parameter()],
-                "requestBody": {
-                    "required": True,
-                    "description": "The new pet; `id` and any other unknown field are refused.",
-                    "content": {JSON: {"schema": "NewPet"}},
-                },
-                "responses": {
-                    "201": {
-                        "description": "Created; `Location` is the new pet's path. A repeat with "
-                        "the same `Idempotency-Key` replays this first response.",
-                        "headers": {
-                            **rate_limit_headers(),
-                            "Location": "Location",
-                            "Idempotent-Replayed": "Idempotent-Replayed",
-                        },
-                        "content": {JSON: {"schema": "Pet"}},
-                        "links": {
-                            "GetPetById": {
-                                "operationId": "getPet",
-                                "parameters": {"petId": "$response.body#/id"},
-                                "description": "The new pet, by its `id`.",
-                            }
-                        },
-                    },
-                    "400": "BadRequest",
-                    "403": error_response(
-                        403,
-                        "The API key lacks the `write` scope (a read-only key); "
-                        '`WWW-Authenticate` says `error="insufficient_scope", scope="write"`.',
-                        ("WWW-Authenticate",),
-                    ),
-                    "409": error_response(
-                        409, "The `Idempotency-Key` was used before with a different body."
-                    ),
-                    "413": error_response(
-                        413,
-                        f"The body is longer than {config['MAX_CONTENT_LENGTH']} bytes.",
-                    ),
-                    "415": error_response(415, "The body is not `application/json`."),
-                    **common_responses(),
-                },
-            },
-        },
-    )
-    spec.path(
-        "/pets/{petId}",
-        operations={
-            "get": {
-                "operationId": "getPet",
-                "tags": ["pets"],
-                "summary": "Get a pet (deprecated)",
-                "description": f"Deprecated: removed at its sunset, {sunset}; from then on it "
-                "answers 410. Use `GET /pets` with the `status` filter instead. Every answer "
-                "of the operation itself carries `Deprecation`, `Sunset` and a `Link` to it.",
-                "deprecated": True,
-                "x-sunset": sunset_day,
-                "parameters": [
-                    {
-                        "name": "petId",
-                        "in": "path",
-                        "required": True,
-                        "description": "Identifier of the pet. One that is not an int64 is a pet "
-                        "that does not exist (404).",
-                        "schema": {"type": "integer", "format": "int64"},
-                    }
-                ],
-                "responses": {
-                    "200": {
-                        "description": "The pet.",
-                        "headers": {**rate_limit_headers(), **deprecation_headers()},
-                        "content": {JSON: {"schema": "Pet"}},
-                    },
-                    "404": deprecated_error(404, "No pet has this id."),
-                    "410": deprecated_error(
-                        410, f"The operation was removed at its sunset ({sunset})."
-                    ),
-                    **common_responses(),
-                },
-            }
-        },
-    )
-    spec.path(
-        "/rate_limit",
-        operations={
-            "get": {
-                "operationId": "getRateLimit",
-                "tags": ["rate limits"],
-                "summary": "The caller's own rate limits, ban and strikes",
-                "description": "Spends no budget and counts no strike, and answers 200 also "
-                "while the key is throttled or banned, so a client can learn when to come back. "
-                "Without a valid key it is a 401 like any other operation, counted against the "
-                "client's address.",
-                "responses": {
-                    "200": {
-                        "description": "The key's standing; X-RateLimit-* show the limit nearest "
-                        "to running out.",
-                        "headers": rate_limit_headers(),
-                        "content": {JSON: {"schema": "RateLimit"}},
-                    },
-                    **common_responses(),
-                },
-            }
-        },
-    )
-    spec.path(
-        "/store/orders",
-        operations={
-            "get": {
-                "operationId": "listOrders",
-                "tags": ["store"],
-                "summary": "List store orders (not implemented)",
-                "description": "The specification names this operation but shows none of its "
-                "parameters or payloads, nor the fields of an order. Rather than invent them, "
-                "the service answers 501 to every authorized call.",
-                "responses": {
-                    "501": error_response(
-                        501, "Store orders are not specified, so they are not implemented."
-                    ),
-                    **common_responses(),
-                },
-            }
-        },
-    )
+    """The operations, as the views modules describe them."""
+    # Imported here: the views import this module's helpers for their descriptions.
+    from petstore.views import orders, pets, rate_limit
+
+    paths: dict[str, dict[str, Any]] = {}
+    for operations in (pets.OPERATIONS, rate_limit.OPERATIONS, orders.OPERATIONS):
+        for path, method, describe in operations.described:
+            paths.setdefault(path, {})[method] = describe(config)
+    for path, described in paths.items():
+        spec.path(path, operations=described)
 
 
 def deprecated_error(status: int, description: str) -> dict[str, Any]:
@@ -438,28 +301,6 @@ def deprecated_error(status: int, description: str) -> dict[str, Any]:
     response = error_response(status, description)
     response["headers"].update(deprecation_headers())
     return response
-
-
-def idempotency_key_parameter() -> dict[str, Any]:
-    """The optional Idempotency-Key header of createPet (Stripe's semantics)."""
-    return {
-        "name": "Idempotency-Key",
-        "in": "header",
-        "required": False,
-        "description": "Makes a retried POST safe: the first response for a key (and API key) is "
-        "stored for 24 hours and replayed, with `Idempotent-Replayed: true`, to every repeat with "
-        "the same body, instead of creating a second pet. A repeat sent while the first request "
-        "is still running waits for it and gets the replay. The same key with a different body "
-        "answers 409 `idempotency_key_reused`. 1 to 255 printable ASCII characters (a UUID "
-        "fits); a malformed key answers 400.",
-        "schema": {
-            "type": "string",
-            "minLength": 1,
-            "maxLength": 255,
-            "pattern": "^[\\x21-\\x7e]([\\x20-\\x7e]*[\\x21-\\x7e])?$",
-            "example": "5f0c8a52-4a3b-4d39-9d2b-1c1f0e6b7a10",
-        },
-    }
 
 
 # The first server when neither PETSTORE_BASE_URL nor a request says otherwise: `make run`'s.

@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from flask import Blueprint, Response
 
 from petstore.errors import APIError
+from petstore.openapi import Operations, common_responses, error_response
 
 bp = Blueprint("orders", __name__)
+OPERATIONS = Operations()
+
+
+@OPERATIONS.describe("/store/orders", "get")
+def describe_list_orders(config: Mapping[str, Any]) -> dict[str, Any]:
+    """listOrders in the OpenAPI document: why it answers 501."""
+    return {
+        "operationId": "listOrders",
+        "tags": ["store"],
+        "summary": "List store orders (not implemented)",
+        "description": "The specification names this operation but shows none of its "
+        "parameters or payloads, nor the fields of an order. Rather than invent them, "
+        "the service answers 501 to every authorized call.",
+        "responses": {
+            "501": error_response(
+                501, "Store orders are not specified, so they are not implemented."
+            ),
+            **common_responses(),
+        },
+    }
 
 
 @bp.get("/store/orders")

@@ -1,8 +1,10 @@
-"""The pets resource: list, create, and the deprecated get-one."""
+"""The pets resource: list, create, and the deprecated get-one; each view with its OpenAPI description."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from flask import Blueprint, Response, current_app
 from werkzeug.http import http_date
@@ -11,12 +13,45 @@ from petstore import idempotency, schemas
 from petstore.auth import needs_scope
 from petstore.db import Connection, get_conn
 from petstore.errors import APIError
-from petstore.queries import pets
+from petstore.openapi import (
+    JSON,
+    Operations,
+    common_responses,
+    deprecated_error,
+    deprecation_headers,
+    error_response,
+    rate_limit_headers,
+)
+from petstore.queries import pets as pet_sql
 from petstore.web import json_body, json_response, validate, validate_query
 
 bp = Blueprint("pets", __name__)
+OPERATIONS = Operations()
 
 PET_ID = schemas.DIGITS
+
+
+@OPERATIONS.describe("/pets", "get")
+def describe_list_pets(config: Mapping[str, Any]) -> dict[str, Any]:
+    """listPets in the OpenAPI document."""
+    return {
+        "operationId": "listPets",
+        "tags": ["pets"],
+        "summary": "List pets",
+        "description": "Pets by id ascending, at most `limit` of them, optionally only "
+        'those of one `status`. A full page carries `Link: <...>; rel="next"` to the '
+        "next one (a keyset cursor, `after`). Unknown query parameters are refused (400).",
+        "parameters": [{"in": "query", "schema": schemas.ListPetsQuery}],
+        "responses": {
+            "200": {
+                "description": "A page of pets.",
+                "headers": {**rate_limit_headers(), "Link": "NextPage"},
+                "content": {JSON: {"schema": {"type": "array", "items": "Pet"}}},
+            },
+            "400": "BadRequest",
+            **common_responses(),
+        },
+    }
 
 
 @bp.get("/pets")
@@ -25,9 +60,9 @@ def list_pets() -> Response:
     query = validate_query(schemas.list_pets_query)
     status = query.get("status")
     if status is None:
-        page = pets.list_pets(get_conn(), after=query["after"], limit=query["limit"])
+        page = pet_sql.list_pets(get_conn(), after=query["after"], limit=query["limit"])
     else:
-        page = pets.list_pets_by_status(
+        page = pet_sql.list_pets_by_status(
             get_conn(), status=status, after=query["after"], limit=query["limit"]
         )
     headers = {}
@@ -40,6 +75,81 @@ def list_pets() -> Response:
     return json_response(page["pets"], headers=headers)
 
 
+@OPERATIONS.describe("/pets", "post")
+def describe_create_pet(config: Mapping[str, Any]) -> dict[str, Any]:
+    """createPet in the OpenAPI document."""
+    return {
+        "operationId": "createPet",
+        "tags": ["pets"],
+        "summary": "Add a pet",
+        "description": "Stores a NewPet and answers the Pet with its new `id`. A `status` "
+        "left out stays unstated (it is not defaulted).",
+        "parameters": [idempotency_key_parameter()],
+        "requestBody": {
+            "required": True,
+            "description": "The new pet; `id` and any other unknown field are refused.",
+            "content": {JSON: {"schema": "NewPet"}},
+        },
+        "responses": {
+            "201": {
+                "description": "Created; `Location` is the new pet's path. A repeat with "
+                "the same `Idempotency-Key` replays this first response.",
+                "headers": {
+                    **rate_limit_headers(),
+                    "Location": "Location",
+                    "Idempotent-Replayed": "Idempotent-Replayed",
+                },
+                "content": {JSON: {"schema": "Pet"}},
+                "links": {
+                    "GetPetById": {
+                        "operationId": "getPet",
+                        "parameters": {"petId": "$response.body#/id"},
+                        "description": "The new pet, by its `id`.",
+                    }
+                },
+            },
+            "400": "BadRequest",
+            "403": error_response(
+                403,
+                "The API key lacks the `write` scope (a read-only key); "
+                '`WWW-Authenticate` says `error="insufficient_scope", scope="write"`.',
+                ("WWW-Authenticate",),
+            ),
+            "409": error_response(
+                409, "The `Idempotency-Key` was used before with a different body."
+            ),
+            "413": error_response(
+                413,
+                f"The body is longer than {config['MAX_CONTENT_LENGTH']} bytes.",
+            ),
+            "415": error_response(415, "The body is not `application/json`."),
+            **common_responses(),
+        },
+    }
+
+
+def idempotency_key_parameter() -> dict[str, Any]:
+    """The optional Idempotency-Key header of createPet (Stripe's semantics)."""
+    return {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": False,
+        "description": "Makes a retried POST safe: the first response for a key (and API key) is "
+        "stored for 24 hours and replayed, with `Idempotent-Replayed: true`, to every repeat with "
+        "the same body, instead of creating a second pet. A repeat sent while the first request "
+        "is still running waits for it and gets the replay. The same key with a different body "
+        "answers 409 `idempotency_key_reused`. 1 to 255 printable ASCII characters (a UUID "
+        "fits); a malformed key answers 400.",
+        "schema": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 255,
+            "pattern": "^[\\x21-\\x7e]([\\x20-\\x7e]*[\\x21-\\x7e])?$",
+            "example": "5f0c8a52-4a3b-4d39-9d2b-1c1f0e6b7a10",
+        },
+    }
+
+
 @bp.post("/pets")
 @needs_scope("write")
 def create_pet() -> Response:
@@ -48,7 +158,7 @@ def create_pet() -> Response:
     key = idempotency.requested_key()
 
     def store(conn: Connection) -> Response:
-        row = pets.insert_pet(
+        row = pet_sql.insert_pet(
             conn,
             name=new_pet["name"],
             category_id=new_pet["category_id"],
@@ -59,6 +169,43 @@ def create_pet() -> Response:
     if key is None:
         return store(get_conn())
     return idempotency.once(get_conn(), key, new_pet, store)
+
+
+@OPERATIONS.describe("/pets/{petId}", "get")
+def describe_get_pet(config: Mapping[str, Any]) -> dict[str, Any]:
+    """getPet in the OpenAPI document: deprecated, with its sunset from the settings."""
+    sunset = http_date(config["SUNSET"])
+    sunset_day = time.strftime("%Y-%m-%d", time.gmtime(config["SUNSET"]))
+    return {
+        "operationId": "getPet",
+        "tags": ["pets"],
+        "summary": "Get a pet (deprecated)",
+        "description": f"Deprecated: removed at its sunset, {sunset}; from then on it "
+        "answers 410. Use `GET /pets` with the `status` filter instead. Every answer "
+        "of the operation itself carries `Deprecation`, `Sunset` and a `Link` to it.",
+        "deprecated": True,
+        "x-sunset": sunset_day,
+        "parameters": [
+            {
+                "name": "petId",
+                "in": "path",
+                "required": True,
+                "description": "Identifier of the pet. One that is not an int64 is a pet "
+                "that does not exist (404).",
+                "schema": {"type": "integer", "format": "int64"},
+            }
+        ],
+        "responses": {
+            "200": {
+                "description": "The pet.",
+                "headers": {**rate_limit_headers(), **deprecation_headers()},
+                "content": {JSON: {"schema": "Pet"}},
+            },
+            "404": deprecated_error(404, "No pet has this id."),
+            "410": deprecated_error(410, f"The operation was removed at its sunset ({sunset})."),
+            **common_responses(),
+        },
+    }
 
 
 @bp.get("/pets/<pet_id>")
@@ -79,7 +226,7 @@ def get_pet(pet_id: str) -> Response:
     # Not an int64: no such pet (404), the same answer as for an id that does not exist.
     if not PET_ID.fullmatch(pet_id) or int(pet_id) > schemas.INT64_MAX:
         raise APIError(404, "No pet with this id.", headers=headers)
-    pet = pets.find_pet(get_conn(), int(pet_id))
+    pet = pet_sql.find_pet(get_conn(), int(pet_id))
     if pet is None:
         raise APIError(404, "No pet with this id.", headers=headers)
     return json_response(pet, headers=headers)

@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from flask import Blueprint, Response, current_app, g
 
 from petstore import budgets, schemas
 from petstore.auth import uncounted
+from petstore.openapi import JSON, Operations, common_responses, rate_limit_headers
 
 bp = Blueprint("rate_limit", __name__)
+OPERATIONS = Operations()
+
+
+@OPERATIONS.describe("/rate_limit", "get")
+def describe_get_rate_limit(config: Mapping[str, Any]) -> dict[str, Any]:
+    """getRateLimit in the OpenAPI document."""
+    return {
+        "operationId": "getRateLimit",
+        "tags": ["rate limits"],
+        "summary": "The caller's own rate limits, ban and strikes",
+        "description": "Spends no budget and counts no strike, and answers 200 also "
+        "while the key is throttled or banned, so a client can learn when to come back. "
+        "Without a valid key it is a 401 like any other operation, counted against the "
+        "client's address.",
+        "responses": {
+            "200": {
+                "description": "The key's standing; X-RateLimit-* show the limit nearest "
+                "to running out.",
+                "headers": rate_limit_headers(),
+                "content": {JSON: {"schema": "RateLimit"}},
+            },
+            **common_responses(),
+        },
+    }
 
 
 @bp.get("/rate_limit")

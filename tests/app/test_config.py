@@ -1,6 +1,9 @@
-"""Bad settings: each is one line naming the setting and what it accepts."""
+"""The settings table (petstore.config.SETTINGS): each setting's default, a good value, and a bad
+one refused in one line naming the setting and what it accepts."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -62,3 +65,78 @@ def test_missing_database_url_says_what_to_give() -> None:
     assert "\n" not in line
     assert line.startswith("DATABASE_URL is not set: expected ")
     assert "postgresql://" in line
+
+
+# Every setting: (its default, a good value and what it parses to, a bad value or None when
+# any text is accepted). A setting added to config.SETTINGS fails the first test until it has
+# a row here.
+TABLE: dict[str, tuple[Any, str, Any, str | None]] = {
+    "DATABASE_URL": (None, "postgresql://u@db:5432/p", "postgresql://u@db:5432/p", "db/p"),
+    "PETSTORE_DB_POOL_SIZE": (4, "8", 8, "-3"),
+    "PETSTORE_DB_POOL_TIMEOUT": (2.0, "0.5", 0.5, "0"),
+    "PETSTORE_DB_CONNECT_TIMEOUT": (3, "10", 10, "0"),
+    "PETSTORE_DB_STATEMENT_TIMEOUT_MS": (5000, "250", 250, "5s"),
+    "PETSTORE_DB_POOLER": ("none", "transaction", "transaction", "session"),
+    "PETSTORE_MIGRATION_DATABASE_URL": (None, "postgresql://o@db/p", "postgresql://o@db/p", None),
+    "PETSTORE_DB_RECONNECT_TIMEOUT": (5.0, "30", 30.0, "0.01"),
+    "PETSTORE_RETRY_AFTER": (2, "5", 5, "1.5"),
+    "PETSTORE_READY_TIMEOUT": (1.0, "0.2", 0.2, "inf"),
+    "PETSTORE_MAX_BODY_BYTES": (16384, "1048576", 1048576, "63"),
+    "PETSTORE_DEPRECATED_AT": (1795651200, "Thu, 05 Dec 2030 00:00:00 GMT", 1922659200, "soon"),
+    "PETSTORE_SUNSET": (1922659200, "1800000000", 1800000000, "next year"),
+    "PETSTORE_PROXY_COUNT": (0, "1", 1, "-1"),
+    "PETSTORE_BASE_URL": (
+        None,
+        "https://api.example.test/v1",
+        "https://api.example.test/v1",
+        "/v1",
+    ),
+    "PETSTORE_STAGING_BASE_URL": (
+        "http://127.0.0.1:8001/v1",
+        "http://staging.test/v1",
+        "http://staging.test/v1",
+        "staging.test",
+    ),
+    "RATELIMIT_STORAGE_URI": ("memory://", "redis://r:6379/2", "redis://r:6379/2", "redis:6379"),
+    "PETSTORE_RATELIMIT_STRATEGY": (
+        "fixed-window",
+        "sliding-window-counter",
+        "sliding-window-counter",
+        "token-bucket",
+    ),
+    "PETSTORE_IP_LIMITS": ("60/minute;1000/day", "10/second", "10/second", "10 per"),
+    "PETSTORE_BAN_THRESHOLD": (10, "3", 3, "0"),
+    "PETSTORE_BAN_SECONDS": (900, "60", 60, "ten"),
+    "PETSTORE_REDIS_TIMEOUT": (0.25, "1", 1.0, "0.001"),
+    "PETSTORE_LOG_LEVEL": ("INFO", "debug", "DEBUG", "TRACE"),
+    "PROMETHEUS_MULTIPROC_DIR": (None, "/run/petstore-metrics", "/run/petstore-metrics", None),
+}
+
+
+def test_the_table_has_a_row_for_every_setting() -> None:
+    assert set(TABLE) == set(config.SETTINGS)
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_each_setting_defaults_when_unset_or_empty(name: str) -> None:
+    key = config.SETTINGS[name][0]
+    default = TABLE[name][0]
+    assert config.from_environ({})[key] == default
+    assert config.from_environ({name: ""})[key] == default
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_each_setting_takes_a_good_value(name: str) -> None:
+    _default, text, parsed, _bad = TABLE[name]
+    assert config.from_environ({name: text})[config.SETTINGS[name][0]] == parsed
+
+
+@pytest.mark.parametrize("name", sorted(name for name, row in TABLE.items() if row[3] is not None))
+def test_each_setting_refuses_a_bad_value_in_one_line_naming_it(name: str) -> None:
+    bad = TABLE[name][3]
+    with pytest.raises(config.ConfigError) as raised:
+        config.from_environ({name: bad})
+
+    line = str(raised.value)
+    assert "\n" not in line
+    assert line.startswith(f"{name}={bad!r} is not valid: expected ")

@@ -90,3 +90,13 @@ def test_nginx_and_gunicorn_share_the_head_limits(
     assert settings["limit_request_fields"] == 100
     assert settings["secure_scheme_headers"] == {}
     assert settings["forwarder_headers"] == ""
+
+
+def test_every_code_nginx_and_gunicorn_answer_is_in_the_table_of_codes() -> None:
+    """nginx's pages and gunicorn's refusals (overrides.REFUSALS) use ERRORS' codes and statuses."""
+    used = [(body["code"], returned) for returned, body in page_bodies().values()]
+    used += [(code, status) for status, code, _message in overrides.REFUSALS.values()]
+    assert used
+    assert [
+        (code, status) for code, status in used if errors.ERRORS.get(code, (None,))[0] != status
+    ] == []

@@ -13,14 +13,14 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from petstore import db
+from petstore import db, schemas
 from support.checks import assert_error, post_chunked
 
 SUNSET_HTTP_DATE = "Thu, 05 Dec 2030 00:00:00 GMT"
 SUNSET_UNIX = calendar.timegm((2030, 12, 5, 0, 0, 0))
 NEXT_LINK = re.compile(r'<(?P<url>/v1/pets\?[^<>]+)>; rel="next"')
 SUCCESSOR_LINK = re.compile(r'<(?P<url>/v1/pets(\?[^<>]*)?)>;\s*rel="successor-version"')
-STATUS_CYCLE = ("available", "pending", "sold", None)
+STATUS_CYCLE = (*schemas.PET_STATUSES, None)
 
 
 def as_json(row: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +105,7 @@ def test_create_pet_without_status_leaves_it_out(
     assert row == {"name": "Rex", "category_id": 7, "status": None}
 
 
-@pytest.mark.parametrize("status", ["available", "pending", "sold"])
+@pytest.mark.parametrize("status", schemas.PET_STATUSES)
 def test_create_pet_with_status(
     client: FlaskClient, auth_headers: dict[str, str], conn: db.Connection, status: str
 ) -> None:
@@ -295,7 +295,7 @@ def test_list_limit_100_shows_100(
     assert next_url(response) is not None
 
 
-@pytest.mark.parametrize("status", ["available", "pending", "sold"])
+@pytest.mark.parametrize("status", schemas.PET_STATUSES)
 def test_list_filters_by_status(
     client: FlaskClient, auth_headers: dict[str, str], conn: db.Connection, status: str
 ) -> None:

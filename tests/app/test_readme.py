@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import docutils.core
 import docutils.utils
+import pytest
+import yaml
 
 from petstore import config
 
 README = Path(__file__).resolve().parents[2] / "README.rst"
 
 
-def test_readme_renders_without_warnings() -> None:
+@pytest.mark.parametrize("name", ["README.rst", "CHANGELOG.rst", "CONTRIBUTING.rst"])
+def test_readme_renders_without_warnings(name: str) -> None:
+    """README.rst and its two companions render as reStructuredText without a warning."""
     docutils.core.publish_doctree(
-        README.read_text(encoding="utf-8"),
+        (README.parent / name).read_text(encoding="utf-8"),
         settings_overrides={"halt_level": docutils.utils.Reporter.WARNING_LEVEL, "report_level": 5},
     )
+
+
+def test_pre_commit_pins_the_ruff_of_make_lint() -> None:
+    """.pre-commit-config.yaml runs the ruff version setup.cfg's dev extra installs."""
+    pinned = re.search(r"^\s*ruff==(\S+)$", (README.parent / "setup.cfg").read_text(), re.M)
+    hooks = yaml.safe_load((README.parent / ".pre-commit-config.yaml").read_text())
+    (ruff,) = [repo for repo in hooks["repos"] if repo["repo"].endswith("/ruff-pre-commit")]
+    assert pinned is not None
+    assert ruff["rev"] == f"v{pinned.group(1)}"
+    assert {hook["id"] for hook in ruff["hooks"]} == {"ruff-check", "ruff-format"}
 
 
 def test_readme_documents_every_setting() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
@@ -11,10 +10,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -224,21 +222,6 @@ class DeployedGunicorn(Gunicorn):
         """The shipped config file and the app, nothing else."""
         return [sys.executable, "-m", "gunicorn", "-c", str(GUNICORN_CONF), "wsgi:app"]
 
-    def worker_pids(self) -> list[int]:
-        """The pids of the master's worker processes right now."""
-        children = Path(f"/proc/{self.pid}/task/{self.pid}/children")
-        try:
-            return [int(pid) for pid in children.read_text().split()]
-        except FileNotFoundError:
-            return []
-
-    def wait_for_workers(self, within: float = 20.0) -> list[int]:
-        """Wait (bounded) until the master has all its workers; their pids."""
-        pids = poll_until(self.worker_pids, lambda pids: len(pids) >= self.workers, within)
-        if len(pids) < self.workers:
-            raise ServerFailed(f"{len(pids)} of {self.workers} workers:\n{self.log()}")
-        return pids
-
     def records(self) -> list[dict[str, Any]]:
         """The log as JSON objects (lines that are not JSON are left out; see log_lines)."""
         return [record for record in parse_lines(self.log_lines()) if record is not None]
@@ -304,123 +287,3 @@ def parse_lines(lines: Sequence[str]) -> list[dict[str, Any] | None]:
             record = None
         parsed.append(record if isinstance(record, dict) else None)
     return parsed
-
-
-@dataclass
-class Answer:
-    """What one request got back, and how long it took (headers keyed in lower case)."""
-
-    method: str
-    path: str
-    status: int
-    body: Any
-    headers: dict[str, str]
-    elapsed: float
-    started: float = 0.0
-    raw: bytes = field(default=b"", repr=False)
-
-    def header(self, name: str) -> str | None:
-        """A response header by name, any case."""
-        return self.headers.get(name.lower())
-
-    @property
-    def is_json_error(self) -> bool:
-        """Exactly the Error JSON of its own status, as application/json."""
-        body = self.body
-        return (
-            self.header("content-type") == "application/json"
-            and isinstance(body, dict)
-            and {"code", "message", "status"} <= set(body)
-            and set(body) <= {"code", "message", "status", "errors"}
-            and body["status"] == self.status
-            and isinstance(body["code"], str)
-            and isinstance(body["message"], str)
-        )
-
-
-def call(
-    base_url: str,
-    method: str,
-    path: str,
-    *,
-    headers: Mapping[str, str] | None = None,
-    body: bytes | None = None,
-    json_body: Any = None,
-    timeout: float = 10.0,
-    source: str | None = None,
-    connection: http.client.HTTPConnection | None = None,
-) -> Answer:
-    """One request with http.client (from `source` as client address if given), timed.
-
-    A timeout or a broken connection raises OSError, which callers that count outcomes catch: an
-    answer cut short (its server killed between the headers and the body) is a ConnectionError too.
-    """
-    host, port = base_url.removeprefix("http://").rsplit(":", 1)
-    own = connection is None
-    if connection is None:
-        connection = http.client.HTTPConnection(
-            host, int(port), timeout=timeout, source_address=(source, 0) if source else None
-        )
-    sent_headers = dict(headers or {})
-    if json_body is not None:
-        body = json.dumps(json_body).encode()
-        sent_headers.setdefault("Content-Type", "application/json")
-    started = time.monotonic()
-    try:
-        connection.request(method, path, body=body, headers=sent_headers)
-        response = connection.getresponse()
-        raw = response.read()
-    except http.client.HTTPException as exc:
-        connection.close()
-        raise ConnectionError(f"the answer was cut short: {exc!r}") from exc
-    except BaseException:
-        connection.close()
-        raise
-    finally:
-        if own:
-            connection.close()
-    elapsed = time.monotonic() - started
-    try:
-        parsed: Any = json.loads(raw) if raw else None
-    except ValueError:
-        parsed = raw.decode("utf-8", errors="replace")
-    received = {name.lower(): value for name, value in response.getheaders()}
-    return Answer(method, path, response.status, parsed, received, elapsed, started, raw)
-
-
-def raw(base_url: str, data: bytes, timeout: float = 10.0) -> Answer:
-    """Send bytes exactly as they are (no client library to tidy them up); the answer, read to EOF.
-
-    For requests no HTTP client would send: malformed lines, odd headers, broken chunked bodies.
-    Send `Connection: close` (or a request the server refuses, which closes) so that EOF comes.
-    """
-    host, port = base_url.removeprefix("http://").rsplit(":", 1)
-    started = time.monotonic()
-    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-        sock.sendall(data)
-        received = b""
-        while chunk := sock.recv(65536):
-            received += chunk
-    elapsed = time.monotonic() - started
-    head, _, body = received.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in header_lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    try:
-        parsed: Any = json.loads(body) if body else None
-    except ValueError:
-        parsed = body.decode("utf-8", errors="replace")
-    method, _, rest = data.partition(b" ")
-    path = rest.partition(b" ")[0]
-    return Answer(
-        method.decode("latin-1"),
-        path.decode("latin-1"),
-        int(status_line.split()[1]),
-        parsed,
-        headers,
-        elapsed,
-        started,
-        received,
-    )

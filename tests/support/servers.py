@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,13 +12,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
 
+import requests
+
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
+# A gunicorn access log format that names the worker (as `<pid>`), for Gunicorn.wait_for_workers.
+ACCESS_PID_FORMAT = "'access %(p)s %(s)s %(r)s'"
+ACCESS_PID_HEALTHZ = re.compile(r"access <(\d+)> 200 GET /healthz")
 
 
 def free_port() -> int:
@@ -35,6 +42,18 @@ def log_tail(path: Path, lines: int = 40) -> str:
     except FileNotFoundError:
         return f"(no log at {path})"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def run_every(steps: Sequence[Callable[[], None]]) -> None:
+    """Run each step even when one before it raised (stopping a stack of servers); then raise the first error."""
+    errors = []
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # keep stopping the others
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 class ServerFailed(RuntimeError):
@@ -205,6 +224,8 @@ class Gunicorn(ServerProcess):
         self.workers = workers
         self.threads = threads
         self.url = f"http://{LOOPBACK}:{self.port}"
+        # Where this test reaches it (another address for an app on a host of its own).
+        self.health_host = LOOPBACK
 
     def command(self) -> list[str]:
         """The command line: the interpreter of the running venv, gthread workers, loopback only."""
@@ -239,9 +260,46 @@ class Gunicorn(ServerProcess):
         """Whether GET /healthz answers 200 right now."""
         return self.healthz() == 200
 
+    def worker_pids(self) -> list[int]:
+        """The pids of the master's worker processes right now."""
+        children = Path(f"/proc/{self.pid}/task/{self.pid}/children")
+        try:
+            return [int(pid) for pid in children.read_text().split()]
+        except FileNotFoundError:
+            return []
+
+    def wait_for_workers(self, within: float = 20.0, *, answering: bool = False) -> list[int]:
+        """Wait (bounded) until the master has all its workers; their pids.
+
+        With `answering`, also until each worker has answered a GET /healthz (bursts of them,
+        on new connections): all have booted, so that a burst spreads over all of them. That
+        reads the worker's pid from the access log, so the access log format must be
+        ACCESS_PID_FORMAT.
+        """
+        deadline = time.monotonic() + within
+        pids = poll_until(self.worker_pids, lambda pids: len(pids) >= self.workers, within)
+        if len(pids) < self.workers:
+            raise ServerFailed(f"{len(pids)} of {self.workers} workers:\n{self.log()}")
+        if not answering:
+            return pids
+
+        def healthz(_: int) -> None:
+            requests.get(f"{self.url}/healthz", headers={"Connection": "close"}, timeout=10.0)
+
+        while True:
+            with ThreadPoolExecutor(max_workers=4 * self.workers) as executor:
+                list(executor.map(healthz, range(4 * self.workers)))
+            answered = set(ACCESS_PID_HEALTHZ.findall(self.log_path.read_text()))
+            if len(answered) >= self.workers:
+                return self.worker_pids()
+            if time.monotonic() > deadline:
+                raise ServerFailed(
+                    f"only {len(answered)} of {self.workers} workers answer; {self.log()}"
+                )
+
     def healthz(self) -> int | None:
         """The status of GET /healthz, or None when nothing answers."""
-        connection = http.client.HTTPConnection(LOOPBACK, self.port, timeout=2)
+        connection = http.client.HTTPConnection(self.health_host, self.port, timeout=2)
         try:
             connection.request("GET", "/healthz")
             return connection.getresponse().status

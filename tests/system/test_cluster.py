@@ -13,8 +13,8 @@ import pytest
 import redis.cluster
 
 from petstore import auth, config, db, storages
+from support.checks import call
 from support.databases import empty_database
-from support.nginx import call
 from support.servers import Gunicorn, RedisClusterNode, poll_until, redis_command, redis_fields
 
 NODES = 3

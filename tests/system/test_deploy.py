@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import os
 import re
 import socket
@@ -18,7 +17,15 @@ import pytest
 
 from conftest import TEST_REDIS_URL, count_pets
 from petstore import db
-from support.nginx import Answer, Deployment, Nginx, call, deploy, raw
+from support.checks import (
+    assert_banned,
+    assert_error,
+    call,
+    rate_limit_numbers,
+    raw,
+    retry_after,
+)
+from support.nginx import Deployment, Nginx, deploy
 from support.servers import LOOPBACK, SilentServer, free_port
 
 FREE_PER_MINUTE = 60
@@ -68,39 +75,6 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def assert_error(answer: Answer, status: int, code: str) -> dict[str, Any]:
-    """Exactly the Error JSON of this status and code, as application/json."""
-    assert answer.status == status, answer
-    assert answer.is_json_error, answer
-    assert answer.body["code"] == code, answer
-    body: dict[str, Any] = answer.body
-    return body
-
-
-def limit_numbers(answer: Answer, limit: int) -> tuple[int, int]:
-    """X-RateLimit-* are integers of this limit; (remaining, reset)."""
-    for name in ("x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"):
-        assert re.fullmatch(r"\d+", answer.header(name) or ""), (name, answer)
-    assert int(answer.headers["x-ratelimit-limit"]) == limit, answer
-    return int(answer.headers["x-ratelimit-remaining"]), int(answer.headers["x-ratelimit-reset"])
-
-
-def retry_after(answer: Answer) -> int:
-    """Retry-After in whole seconds, at least 1."""
-    value = answer.header("retry-after") or ""
-    assert re.fullmatch(r"\d+", value) and int(value) >= 1, answer
-    return int(value)
-
-
-def assert_banned(answer: Answer, limit: int, banned_until: float) -> None:
-    """429 api_key_banned with the ban's end as X-RateLimit-Reset and Retry-After."""
-    assert_error(answer, 429, "api_key_banned")
-    remaining, reset = limit_numbers(answer, limit)
-    assert remaining == 0, answer
-    assert reset == math.ceil(banned_until), answer
-    assert retry_after(answer) <= math.ceil(banned_until - time.time()) + 1, answer
-
-
 def ban_rows(conn: db.Connection) -> list[dict[str, Any]]:
     """Every ban, oldest first."""
     return conn.execute("select key_id, banned_until, seconds from bans order by id").fetchall()
@@ -140,7 +114,7 @@ def test_free_key_gets_exactly_60_across_instances(
 
     now = time.time()
     for expected, answer in zip(range(59, -1, -1), answers[:60], strict=True):
-        remaining, reset = limit_numbers(answer, FREE_PER_MINUTE)
+        remaining, reset = rate_limit_numbers(answer, FREE_PER_MINUTE)
         assert remaining == expected, answer
         assert now - 61 <= reset <= now + 61, answer
         assert "retry-after" not in answer.headers, answer
@@ -148,7 +122,7 @@ def test_free_key_gets_exactly_60_across_instances(
     limited, banned = answers[60:63], answers[63:]
     for answer in limited:
         assert_error(answer, 429, "rate_limited")
-        assert limit_numbers(answer, FREE_PER_MINUTE)[0] == 0
+        assert rate_limit_numbers(answer, FREE_PER_MINUTE)[0] == 0
         assert retry_after(answer) <= 61
     (ban,) = ban_rows(conn)
     assert ban["seconds"] == BAN_SECONDS, ban
@@ -195,7 +169,7 @@ def test_app_headers_pass_through_nginx(stack: Deployment, issue_key: Callable[.
     assert created.status == 201, created
     pet_id = created.body["id"]
     assert created.headers["location"] == f"/v1/pets/{pet_id}"
-    assert limit_numbers(created, 300)[0] == 299
+    assert rate_limit_numbers(created, 300)[0] == 299
     assert "idempotent-replayed" not in created.headers
     replayed = call(stack.url, "POST", "/v1/pets", headers=idempotent, json_body=pet)
     assert replayed.status == 201 and replayed.body == created.body, replayed
@@ -221,11 +195,11 @@ def test_app_headers_pass_through_nginx(stack: Deployment, issue_key: Callable[.
     bad_key = call(stack.url, "GET", "/v1/pets", headers={"Authorization": "Bearer nope"})
     assert_error(bad_key, 401, "unauthorized")
     assert bad_key.headers["www-authenticate"] == 'Bearer realm="petstore", error="invalid_token"'
-    assert limit_numbers(bad_key, IP_PER_MINUTE)[0] == IP_PER_MINUTE - 1
+    assert rate_limit_numbers(bad_key, IP_PER_MINUTE)[0] == IP_PER_MINUTE - 1
 
     for answer in (created, replayed, other, page, one, not_allowed, bad_key):
         assert re.fullmatch(r"[0-9a-f]{32}", answer.headers["x-request-id"]), answer
-        limit_numbers(answer, IP_PER_MINUTE if answer is bad_key else 300)
+        rate_limit_numbers(answer, IP_PER_MINUTE if answer is bad_key else 300)
 
 
 # 3. The client IP behind nginx ------------------------------------------------------------------
@@ -240,18 +214,18 @@ def test_client_ip_is_the_real_client_not_a_forged_header(stack: Deployment) -> 
     ]
     for expected, answer in zip(range(IP_PER_MINUTE - 1, -1, -1), answers, strict=True):
         assert_error(answer, 401, "unauthorized")
-        assert limit_numbers(answer, IP_PER_MINUTE)[0] == expected, answer
+        assert rate_limit_numbers(answer, IP_PER_MINUTE)[0] == expected, answer
     # The budget of CLIENT_A is spent, whatever it claims to be.
     for headers in ({}, {"X-Forwarded-For": "10.9.9.9"}, {"X-Forwarded-For": CLIENT_B}):
         refused = call(stack.url, "GET", "/v1/pets", headers=headers, source=CLIENT_A)
         assert_error(refused, 429, "rate_limited")
-        assert limit_numbers(refused, IP_PER_MINUTE)[0] == 0
+        assert rate_limit_numbers(refused, IP_PER_MINUTE)[0] == 0
         answers.append(refused)
     # Another real client behind the same nginx has a budget of its own: the app does not see
     # nginx's address for everyone.
     other = call(stack.url, "GET", "/v1/pets", source=CLIENT_B)
     assert_error(other, 401, "unauthorized")
-    assert limit_numbers(other, IP_PER_MINUTE)[0] == IP_PER_MINUTE - 1
+    assert rate_limit_numbers(other, IP_PER_MINUTE)[0] == IP_PER_MINUTE - 1
 
     seen = client_ips(stack)
     for answer in answers:
@@ -309,7 +283,7 @@ def test_body_cap_matches_the_app(stack: Deployment, issue_key: Callable[..., st
     finally:
         connection.close()
     after = call(stack.url, "GET", "/v1/pets", headers=bearer(key))
-    assert limit_numbers(after, FREE_PER_MINUTE)[0] == FREE_PER_MINUTE - 2, after
+    assert rate_limit_numbers(after, FREE_PER_MINUTE)[0] == FREE_PER_MINUTE - 2, after
 
 
 @pytest.mark.parametrize(

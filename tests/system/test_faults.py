@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from petstore import auth, cli, config, db
-from support.nginx import Answer, DeployedGunicorn, Nginx, call
+from support.checks import Answer, call
+from support.nginx import DeployedGunicorn, Nginx
 from support.servers import (
     PgBouncer,
     RedisReplica,
@@ -32,6 +33,7 @@ from support.servers import (
     Service,
     ThrowawayPostgres,
     poll_until,
+    run_every,
 )
 
 APP_DBNAME = "petstore"
@@ -187,14 +189,7 @@ class Stack:
             steps.append(self.nginx.stop)
         steps += [instance.stop for instance in self.instances]
         steps += [self.redis.stop, self.cluster.stop]
-        errors = []
-        for step in steps:
-            try:
-                step()
-            except Exception as exc:  # keep stopping the others
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        run_every(steps)
 
     def connect(self) -> db.Connection:
         """A direct connection to the throwaway database."""
@@ -266,14 +261,7 @@ class ScaledStack(Stack):
         steps += [instance.stop for instance in self.instances]
         steps += [sentinel.stop for sentinel in self.sentinels]
         steps += [self.replica.stop, self.redis.stop, self.pgbouncer.stop]
-        errors = []
-        for step in steps:
-            try:
-                step()
-            except Exception as exc:  # keep stopping the others
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        run_every(steps)
 
 
 class Load:

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import pytest
 
 from petstore import auth, config, db
+from support.checks import call
 from support.databases import empty_database
 from support.hosts import HostGunicorn, Hosts, SharedRedis
 from support.load import MixedLoad
-from support.nginx import Nginx, call
+from support.nginx import Nginx
 from support.servers import PgBouncer, poll_until
 
 APPS = ("app1", "app2")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 import subprocess
 import threading
@@ -16,12 +15,26 @@ from typing import Any, cast
 
 import pytest
 import redis
-import requests
 from flask import Flask
 
 from petstore import db
-from support.checks import Answer, burst, flask_getter, http_getter
-from support.servers import Gunicorn, RedisServer, SilentServer, loopback_redis_url
+from support.checks import (
+    Answer,
+    assert_banned,
+    assert_error,
+    burst,
+    flask_getter,
+    http_getter,
+    rate_limit_numbers,
+    retry_after,
+)
+from support.servers import (
+    ACCESS_PID_FORMAT,
+    Gunicorn,
+    RedisServer,
+    SilentServer,
+    loopback_redis_url,
+)
 
 FREE_PER_MINUTE = 60
 # The limiter's socket timeouts (PETSTORE_REDIS_TIMEOUT, here its default), set explicitly.
@@ -47,11 +60,7 @@ ACCESS_LINE = re.compile(r"access <(\d+)> (\d{3}) GET /v1/")
 
 def limit_headers(answer: Answer, limit: int) -> tuple[int, int]:
     """Check X-RateLimit-* (integers, this limit, a reset within the minute); return (remaining, reset)."""
-    for name in ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"):
-        assert re.fullmatch(r"\d+", answer.headers.get(name, "")), (name, answer)
-    assert int(answer.headers["X-RateLimit-Limit"]) == limit, answer
-    remaining = int(answer.headers["X-RateLimit-Remaining"])
-    reset = int(answer.headers["X-RateLimit-Reset"])
+    remaining, reset = rate_limit_numbers(answer, limit)
     assert 0 <= remaining < limit, answer
     now = time.time()
     assert now - 1 <= reset <= now + 61, (now, answer)
@@ -67,40 +76,12 @@ def assert_ok(answer: Answer, limit: int = FREE_PER_MINUTE) -> int:
     return remaining
 
 
-def assert_error(answer: Answer, status: int, code: str) -> None:
-    """The Error JSON of this status and code, exactly {code, message, status}."""
-    assert answer.status == status, answer
-    assert answer.headers["Content-Type"] == "application/json", answer
-    assert isinstance(answer.body, dict), answer
-    assert set(answer.body) == {"code", "message", "status"}, answer
-    assert answer.body["code"] == code, answer
-    assert answer.body["status"] == status, answer
-    assert isinstance(answer.body["message"], str) and answer.body["message"], answer
-
-
-def retry_after(answer: Answer) -> int:
-    """Retry-After as whole seconds, at least 1."""
-    value = answer.headers.get("Retry-After", "")
-    assert re.fullmatch(r"\d+", value) and int(value) >= 1, answer
-    return int(value)
-
-
 def assert_rate_limited(answer: Answer, limit: int = FREE_PER_MINUTE) -> None:
     """429 rate_limited: Remaining 0 and Retry-After within the minute window."""
     assert_error(answer, 429, "rate_limited")
     remaining, _reset = limit_headers(answer, limit)
     assert remaining == 0, answer
     assert retry_after(answer) <= 61, answer
-
-
-def assert_banned(answer: Answer, limit: int, banned_until: float) -> None:
-    """429 api_key_banned: Remaining 0, Reset the ban's end, Retry-After the seconds until then."""
-    assert_error(answer, 429, "api_key_banned")
-    assert answer.headers["X-RateLimit-Limit"] == str(limit), answer
-    assert answer.headers["X-RateLimit-Remaining"] == "0", answer
-    assert answer.headers["X-RateLimit-Reset"] == str(math.ceil(banned_until)), answer
-    # Against the moment the answer came, not now: answers of a burst are checked afterwards.
-    assert 1 <= retry_after(answer) <= math.ceil(banned_until - answer.received) + 1, answer
 
 
 def expect_fast_ok(get: Callable[[], Answer], times: int, interval: float = 0.0) -> list[Answer]:
@@ -206,7 +187,7 @@ def gunicorn(
     """A gunicorn (not started) on this storage, logging each request's worker pid."""
     gunicorn_args = [
         "--access-logfile -",
-        "--access-logformat 'access %(p)s %(s)s %(r)s'",
+        f"--access-logformat {ACCESS_PID_FORMAT}",
         # A worker takes no more connections than it has threads, so that a burst spreads
         # over the workers instead of queueing inside the first one to wake up.
         f"--worker-connections {threads}",
@@ -227,31 +208,29 @@ def gunicorn(
     )
 
 
-def wait_for_workers(server: Gunicorn, workers: int, within: float = 20.0) -> None:
-    """Send bursts of GET /healthz until every worker has answered one (bounded): all have booted."""
-    deadline = time.monotonic() + within
-
-    def healthz(_: int) -> None:
-        requests.get(f"{server.url}/healthz", headers={"Connection": "close"}, timeout=HANG_LIMIT)
-
-    while True:
-        with ThreadPoolExecutor(max_workers=4 * workers) as executor:
-            list(executor.map(healthz, range(4 * workers)))
-        pids = set(re.findall(r"access <(\d+)> 200 GET /healthz", server.log_path.read_text()))
-        if len(pids) >= workers:
-            return
-        assert time.monotonic() < deadline, (
-            f"only {len(pids)} of {workers} workers answer; {server.log()}"
-        )
-        time.sleep(POLL_INTERVAL)
-
-
 # 1. Exact counting under concurrency -------------------------------------------------------
 
 WORKERS = 4
 THREADS = 4
 CLIENTS = 32
 REQUESTS = 400
+
+
+def burst_across_workers(
+    database_url: str, redis_url: str, key: str, tmp_path: Path, **environ: str
+) -> tuple[list[Answer], str]:
+    """REQUESTS GETs from CLIENTS threads at a gunicorn of WORKERS booted workers; (answers, its log)."""
+    with gunicorn(
+        database_url,
+        redis_url,
+        tmp_path / "gunicorn.log",
+        workers=WORKERS,
+        threads=THREADS,
+        **environ,
+    ) as server:
+        server.wait_for_workers(answering=True)
+        answers = burst(http_getter(server.url, key, HANG_LIMIT), REQUESTS, CLIENTS)
+        return answers, server.log_path.read_text()
 
 
 def test_exact_count_across_gunicorn_workers(
@@ -262,17 +241,9 @@ def test_exact_count_across_gunicorn_workers(
     tmp_path: Path,
 ) -> None:
     key = issue_key("free")
-    with gunicorn(
-        database_url,
-        redis_url,
-        tmp_path / "gunicorn.log",
-        workers=WORKERS,
-        threads=THREADS,
-        PETSTORE_BAN_THRESHOLD="1000000",
-    ) as server:
-        wait_for_workers(server, WORKERS)
-        answers = burst(http_getter(server.url, key, HANG_LIMIT), REQUESTS, CLIENTS)
-        log = server.log_path.read_text()
+    answers, log = burst_across_workers(
+        database_url, redis_url, key, tmp_path, PETSTORE_BAN_THRESHOLD="1000000"
+    )
 
     assert Counter(answer.status for answer in answers) == {200: 60, 429: REQUESTS - 60}
     for answer in answers:
@@ -303,18 +274,14 @@ def test_default_threshold_bans_key_under_concurrency(
     tmp_path: Path,
 ) -> None:
     key = issue_key("free")
-    with gunicorn(
+    answers, log = burst_across_workers(
         database_url,
         redis_url,
-        tmp_path / "gunicorn.log",
-        workers=WORKERS,
-        threads=THREADS,
+        key,
+        tmp_path,
         PETSTORE_BAN_THRESHOLD="10",
         PETSTORE_BAN_SECONDS="900",
-    ) as server:
-        wait_for_workers(server, WORKERS)
-        answers = burst(http_getter(server.url, key, HANG_LIMIT), REQUESTS, CLIENTS)
-        log = server.log_path.read_text()
+    )
 
     ban_rows = bans_of(conn, key_id_of(conn))
     assert len(ban_rows) == 1, f"one ban, however many workers saw the threshold: {ban_rows}"
@@ -598,7 +565,7 @@ def test_ban_holds_across_workers_and_restart(
         )
 
     with server("first.log") as first:
-        wait_for_workers(first, WORKERS)
+        first.wait_for_workers(answering=True)
         get = http_getter(first.url, key, HANG_LIMIT)
         assert [assert_ok(get(), 2) for _ in range(2)] == [1, 0]
         # Three strikes: the third 429 stores the ban.

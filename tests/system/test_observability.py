@@ -12,7 +12,8 @@ import pytest
 import redis
 
 from petstore import db
-from support.nginx import Answer, DeployedGunicorn, Nginx, call, parse_lines
+from support.checks import Answer, call
+from support.nginx import DeployedGunicorn, Nginx, parse_lines
 from support.servers import LOOPBACK, RedisServer, free_port
 
 READY_TIMEOUT = 0.5

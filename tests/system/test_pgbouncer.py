@@ -24,9 +24,9 @@ import redis
 
 from conftest import TEST_REDIS_URL
 from petstore import auth, config, db
+from support.checks import call
 from support.databases import empty_database
 from support.load import MixedLoad
-from support.nginx import call
 from support.servers import ROOT, Gunicorn, PgBouncer, poll_until
 
 STATEMENT_TIMEOUT_MS = 1000

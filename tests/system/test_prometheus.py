@@ -15,7 +15,8 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from petstore import db, metrics
-from support.nginx import DeployedGunicorn, Nginx, call
+from support.checks import call
+from support.nginx import DeployedGunicorn, Nginx
 from support.prometheus import ALERTS, SCRAPE_CONFIG, Prometheus, binary
 from support.servers import poll_until
 

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import count_pets
 from petstore import db
-from support.nginx import Answer, Deployment, Nginx, call, deploy, raw
+from support.checks import assert_error, call, raw
+from support.nginx import Deployment, Nginx, deploy
 from support.servers import LOOPBACK, SilentServer
 
 ENVIRON = {"PETSTORE_PROXY_COUNT": "1", "RATELIMIT_STORAGE_URI": "memory://"}
@@ -58,12 +59,6 @@ def head(request_line: str, key: str, *extra: bytes) -> bytes:
         *extra,
     ]
     return b"\r\n".join(lines) + b"\r\n\r\n"
-
-
-def assert_error(answer: Answer, status: int, code: str) -> None:
-    """Exactly the Error JSON of this status and code, as application/json."""
-    assert (answer.status, answer.is_json_error) == (status, True), answer
-    assert answer.body["code"] == code, answer
 
 
 def assert_no_traceback(deployment: Deployment) -> None:

@@ -15,7 +15,7 @@ import requests
 from flask import Flask
 
 from petstore import auth, cli, config, create_app, db
-from support.checks import Answer, burst, flask_getter, http_getter
+from support.checks import Answer, assert_error, burst, flask_getter, http_getter
 from support.servers import Gunicorn, ThrowawayPostgres
 
 # Small bounds so that an outage is noticed within about a second; all are ordinary settings.
@@ -114,13 +114,7 @@ def gunicorn_environ(redis_url: str) -> dict[str, str]:
 
 def assert_unavailable(answer: Answer) -> None:
     """A prompt, well-formed 503: exactly the Error JSON, its content type and Retry-After."""
-    assert answer.status == 503, answer
-    assert answer.headers["content-type"] == "application/json", answer
-    assert isinstance(answer.body, dict), answer
-    assert set(answer.body) == {"code", "message", "status"}, answer
-    assert answer.body["code"] == "service_unavailable"
-    assert answer.body["status"] == 503
-    assert isinstance(answer.body["message"], str) and answer.body["message"]
+    assert_error(answer, 503, "service_unavailable")
     assert answer.headers["retry-after"] == str(RETRY_AFTER), answer
     assert answer.elapsed < UNAVAILABLE_WITHIN, f"503 took {answer.elapsed:.2f} s: {answer}"
 

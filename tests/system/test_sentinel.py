@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from petstore import auth, config, db, storages
+from support.checks import Answer, call
 from support.databases import empty_database
-from support.nginx import Answer, call
 from support.servers import (
     Gunicorn,
     RedisReplica,

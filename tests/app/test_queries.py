@@ -1,0 +1,177 @@
+"""The query functions (petstore/queries) leave the transaction to their caller.
+
+Each runs on a connection that is not in autocommit, inside a transaction that the test then
+rolls back: the transaction must still be open after every call (a stray commit() ends it) and
+nothing the functions wrote may remain. Connections in the service are in autocommit, so a
+commit inside a query function would pass every other test while breaking the callers that
+make several statements atomic (a ban, an Idempotency-Key claim with its pet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.pq import TransactionStatus
+from psycopg.rows import dict_row
+
+from petstore import db
+from petstore.queries import bans as ban_sql
+from petstore.queries import idempotency as idempotency_sql
+from petstore.queries import keys as key_sql
+from petstore.queries import pets as pet_sql
+
+MODULES = {
+    "pet_sql": pet_sql,
+    "key_sql": key_sql,
+    "ban_sql": ban_sql,
+    "idempotency_sql": idempotency_sql,
+}
+
+
+@pytest.fixture
+def tx(conn: db.Connection, database_url: str) -> Iterator[db.Connection]:
+    """A second connection, not in autocommit: its first statement opens a transaction.
+
+    Depends on `conn`, which empties the tables first; rolled back at the end whatever happens.
+    """
+    with psycopg.connect(database_url, row_factory=dict_row, autocommit=False) as tx:
+        try:
+            yield tx
+        finally:
+            tx.rollback()
+
+
+def still_open(tx: db.Connection, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a query function; the transaction it ran in must still be open (nothing committed)."""
+    result = function(*args, **kwargs)
+    status = tx.info.transaction_status
+    assert status == TransactionStatus.INTRANS, (
+        f"{function.__name__} ended the transaction: {status!r}"
+    )
+    return result
+
+
+def new_key(tx: db.Connection, label: str = "queries") -> dict[str, Any]:
+    """A key row inside the transaction (bans and idempotency records belong to a key)."""
+    row: dict[str, Any] = still_open(
+        tx,
+        key_sql.insert_key,
+        tx,
+        key_hash=hashlib.sha256(label.encode()).digest(),
+        prefix="ps_test",
+        label=label,
+        plan="free",
+        per_minute=None,
+        per_day=None,
+    )
+    return row
+
+
+def test_pet_queries_commit_nothing(tx: db.Connection, conn: db.Connection) -> None:
+    added = still_open(tx, pet_sql.insert_pet, tx, name="Rex", category_id=1, status="available")
+    still_open(tx, pet_sql.insert_pet, tx, name="Tom", category_id=2, status=None)
+    assert '"Rex"' in still_open(tx, pet_sql.find_pet, tx, added["id"])
+    assert still_open(tx, pet_sql.list_pets, tx, after=0, limit=10)["count"] == 2
+    page = still_open(tx, pet_sql.list_pets_by_status, tx, status="available", after=0, limit=10)
+    assert page["count"] == 1 and page["last_id"] == added["id"]
+
+    tx.rollback()
+    assert conn.execute("select count(*) as n from pets").fetchone() == {"n": 0}
+
+
+def test_key_queries_commit_nothing(tx: db.Connection, conn: db.Connection) -> None:
+    key = new_key(tx)
+    other = new_key(tx, "other")
+    digest = hashlib.sha256(b"queries").digest()
+    assert still_open(tx, key_sql.find_key_by_hash, tx, digest)["id"] == key["id"]
+    assert [row["id"] for row in still_open(tx, key_sql.list_keys, tx)] == [key["id"], other["id"]]
+    new_digest = hashlib.sha256(b"rotated").digest()
+    rotated = still_open(
+        tx,
+        key_sql.rotate_key,
+        tx,
+        key["id"],
+        key_hash=new_digest,
+        prefix="ps_new",
+        grace_seconds=60,
+    )
+    assert rotated is not None and rotated["id"] == key["id"]
+    assert still_open(tx, key_sql.find_key_by_hash, tx, new_digest)["id"] == key["id"]
+    assert still_open(tx, key_sql.revoke_key, tx, key["id"]) is True
+    assert still_open(tx, key_sql.revoke_keys_labelled, tx, "other") == 1
+
+    tx.rollback()
+    assert key_sql.list_keys(conn) == []
+
+
+def test_ban_queries_commit_nothing(tx: db.Connection, conn: db.Connection) -> None:
+    key = new_key(tx)
+    ban = still_open(tx, ban_sql.insert_ban, tx, key_id=key["id"], base_seconds=60, strikes=10)
+    assert ban is not None and ban["seconds"] == 60
+    assert [row["id"] for row in still_open(tx, ban_sql.list_bans, tx)] == [ban["id"]]
+    assert still_open(tx, ban_sql.lift_bans, tx, key["id"]) == 1
+
+    tx.rollback()
+    assert ban_sql.list_bans(conn) == []
+    assert conn.execute("select count(*) as n from bans").fetchone() == {"n": 0}
+
+
+def test_idempotency_queries_commit_nothing(tx: db.Connection, conn: db.Connection) -> None:
+    key = new_key(tx)
+    record = {
+        "key_id": key["id"],
+        "idempotency_key": "k-1",
+        "fingerprint": hashlib.sha256(b"{}").digest(),
+    }
+    claimed = still_open(
+        tx, idempotency_sql.claim, tx, **record, status=201, body="{}", location="/v1/pets/1"
+    )
+    assert claimed is True
+    found = still_open(
+        tx, idempotency_sql.find_response, tx, key_id=key["id"], idempotency_key="k-1"
+    )
+    assert found is not None and found["status"] == 201
+    assert still_open(tx, idempotency_sql.delete_expired, tx) == 0
+
+    tx.rollback()
+    assert conn.execute("select count(*) as n from idempotency_requests").fetchone() == {"n": 0}
+
+
+def test_a_stray_commit_fails_the_check(tx: db.Connection, conn: db.Connection) -> None:
+    """The check above can fail: a query function that commits is caught, and its row stays."""
+
+    def committing_insert(tx: db.Connection) -> None:
+        pet_sql.insert_pet(tx, name="Stray", category_id=1, status=None)
+        tx.commit()
+
+    with pytest.raises(AssertionError, match="committing_insert ended the transaction"):
+        still_open(tx, committing_insert, tx)
+    assert conn.execute("select count(*) as n from pets").fetchone() == {"n": 1}
+
+
+def public_functions(module: ModuleType) -> list[str]:
+    """The functions a query module defines (not the ones it imports)."""
+    return [
+        name
+        for name, value in inspect.getmembers(module, inspect.isfunction)
+        if value.__module__ == module.__name__ and not name.startswith("_")
+    ]
+
+
+def test_every_query_function_is_called_here() -> None:
+    """A new query function needs a call in this file, through still_open."""
+    source = Path(__file__).read_text(encoding="utf-8")
+    missing = [
+        f"{module.__name__}.{name}"
+        for alias, module in MODULES.items()
+        for name in public_functions(module)
+        if f"{alias}.{name}," not in source
+    ]
+    assert not missing
