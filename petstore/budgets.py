@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 # flask-limiter's scope of an application-wide limit: part of every storage key.
 SCOPE = "global"
+# The budget that addresses without a key share once AnonymousClients is full.
+OVERFLOW = "ip:overflow"
 # An IPv6 client is keyed by its /64: one subscriber's network, however many addresses it uses.
 IPV6_PREFIX = 64
 
@@ -98,8 +101,43 @@ def budget_of(caller: Mapping[str, Any] | None) -> tuple[str, Limits]:
     """(whose budget, its limits): the key's plan, else the client address's IP_LIMITS."""
     if caller is not None:
         return f"key:{caller['id']}", key_limits(caller)
-    ip_limits: Limits = current_app.extensions["petstore.ip_limits"]
-    return client_key(request.remote_addr), ip_limits
+    extensions = current_app.extensions
+    ip_limits: Limits = extensions["petstore.ip_limits"]
+    clients: AnonymousClients | None = extensions["petstore.anonymous_clients"]
+    who = client_key(request.remote_addr)
+    if clients is not None and not clients.admit(who):
+        who = OVERFLOW
+    return who, ip_limits
+
+
+class AnonymousClients:
+    """The client addresses that have budgets of their own in memory://, at most `capacity`.
+
+    Every address without a key would otherwise keep its windows in the worker's memory for
+    as long as the longest one (a day by default), however many addresses a client owns. Past
+    the capacity, new addresses share one budget (OVERFLOW) until old ones' windows end.
+    Redis bounds its own memory: every window expires with its limit.
+    """
+
+    def __init__(self, capacity: int, seconds: int) -> None:
+        self.capacity = capacity
+        self.seconds = seconds  # the longest window: an address's windows all end by then
+        self.until: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    def admit(self, who: str) -> bool:
+        """Whether `who` counts in a budget of its own (always, once admitted, until it ends)."""
+        now = time.time()
+        until = self.until.get(who)
+        if until is not None and until > now:
+            return True
+        with self.lock:
+            if len(self.until) >= self.capacity:
+                self.until = {key: end for key, end in self.until.items() if end > now}
+            if len(self.until) >= self.capacity:
+                return False
+            self.until[who] = now + self.seconds
+            return True
 
 
 def standing(limiter: PlanLimiter, prefix: str, who: str, limits: Limits) -> Shown | None:
@@ -238,7 +276,15 @@ def init_app(app: Flask) -> None:
     limiter.init_app(app)
     limiter.on_fallback = metrics.ratelimit_storage_failed  # type: ignore[method-assign]
     app.extensions["petstore.limiter"] = limiter
-    app.extensions["petstore.ip_limits"] = tuple(sorted(parse_many(config["IP_LIMITS"])))
+    ip_limits = tuple(sorted(parse_many(config["IP_LIMITS"])))
+    app.extensions["petstore.ip_limits"] = ip_limits
+    app.extensions["petstore.anonymous_clients"] = (
+        AnonymousClients(
+            config["ANONYMOUS_CLIENTS"], max(limit.get_expiry() for limit in ip_limits)
+        )
+        if config["RATELIMIT_STORAGE_URI"].startswith("memory://")
+        else None
+    )
 
 
 def storage_options(config: Mapping[str, Any]) -> dict[str, Any]:

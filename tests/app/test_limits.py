@@ -323,3 +323,14 @@ def test_database_trouble_is_503_for_a_valid_key_and_spends_no_budget(
     assert response.status_code == 200
     assert numbers(response)[:2] == (5, 4)
     assert ip_budget_used(client) == 1
+
+
+def test_addresses_past_the_capacity_share_one_budget(make_app: Callable[..., Flask]) -> None:
+    client = make_app(IP_LIMITS="3/minute", PROXY_COUNT=1, ANONYMOUS_CLIENTS=2).test_client()
+    assert ip_budget_used(client, headers={"X-Forwarded-For": "203.0.113.1"}) == 1
+    assert ip_budget_used(client, headers={"X-Forwarded-For": "203.0.113.2"}) == 1
+    # Full: every new address spends the one shared budget, the admitted ones keep theirs.
+    assert ip_budget_used(client, headers={"X-Forwarded-For": "203.0.113.3"}) == 1
+    assert ip_budget_used(client, headers={"X-Forwarded-For": "203.0.113.4"}) == 2
+    assert ip_budget_used(client, headers={"X-Forwarded-For": "2001:db8::1"}) == 3
+    assert ip_budget_used(client, headers={"X-Forwarded-For": "203.0.113.1"}) == 2

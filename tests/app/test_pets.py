@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import calendar
+import io
 import re
 import time
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from flask import Flask
+from flask import Flask, g
 from flask.testing import FlaskClient
 
 from petstore import db, schemas
@@ -563,3 +564,30 @@ def test_unexpected_failure_is_500_without_details(
     for leak in ("secret", "select", "Traceback", "RuntimeError", "boom", ".py"):
         assert leak not in text
     assert set(body) == {"code", "message", "status"}
+
+
+def test_the_body_is_read_before_a_pooled_connection_is_taken(
+    client: FlaskClient, auth_headers: dict[str, str]
+) -> None:
+    """A slow body holds a thread, never a PostgreSQL connection (the key lookup takes one)."""
+    holding_a_connection: list[bool] = []
+
+    class Body(io.BytesIO):
+        def read(self, size: int | None = -1, /) -> bytes:
+            holding_a_connection.append("conn" in g)
+            return super().read(size)
+
+        def readinto(self, buffer: Any, /) -> int:
+            holding_a_connection.append("conn" in g)
+            return super().readinto(buffer)
+
+    data = b'{"name": "Rex", "categoryId": 1}'
+    response = client.post(
+        "/v1/pets",
+        input_stream=Body(data),
+        content_type="application/json",
+        content_length=len(data),
+        headers=auth_headers,
+    )
+    assert response.status_code == 201, response.get_data(as_text=True)
+    assert holding_a_connection and not any(holding_a_connection)
