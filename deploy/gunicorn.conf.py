@@ -63,16 +63,20 @@ overrides.use_json_refusals()
 # BIND: the address nginx proxies to; several, comma-separated, are allowed.
 bind = _env("BIND", "127.0.0.1:8000").split(",")
 
-# WEB_CONCURRENCY: worker processes. memory:// counts in one process, so it gets one worker;
-# with a shared storage (redis://) the default is 2 per core.
+# The defaults are the fastest configuration `make bench --configs` measured on 2 cores
+# (bench/results/): with a shared storage (redis://), gunicorn's own recommendation behind
+# nginx, sync workers, 2 per core + 1 (5 × 1 answered 1,259 GET /v1/pets?limit=20 a second,
+# 2 gthread workers × 4 threads 828, at 1,176 against 1,506 µs of CPU per request); memory://
+# counts in one process, so it gets one gthread worker with 4 threads.
 _shared_storage = not _env("RATELIMIT_STORAGE_URI", "memory://").startswith("memory://")
-workers = _count("WEB_CONCURRENCY", 2 * multiprocessing.cpu_count() if _shared_storage else 1)
-
-# GUNICORN_WORKER_CLASS: gthread (threads per worker) or sync (one request at a time per worker).
-worker_class = _env("GUNICORN_WORKER_CLASS", "gthread")
-# PETSTORE_THREADS: threads per worker; each thread may hold one pooled connection, so the
-# pool is sized to match unless PETSTORE_DB_POOL_SIZE says otherwise.
-threads = _count("PETSTORE_THREADS", 4)
+# GUNICORN_WORKER_CLASS: sync (one request at a time per worker) or gthread (threads).
+worker_class = _env("GUNICORN_WORKER_CLASS", "sync" if _shared_storage else "gthread")
+# WEB_CONCURRENCY: worker processes.
+workers = _count("WEB_CONCURRENCY", 2 * multiprocessing.cpu_count() + 1 if _shared_storage else 1)
+# PETSTORE_THREADS: threads per worker (gunicorn serves a sync worker given more than one with
+# gthread); each thread may hold one pooled connection, so the pool is sized to match unless
+# PETSTORE_DB_POOL_SIZE says otherwise.
+threads = _count("PETSTORE_THREADS", 1 if worker_class == "sync" else 4)
 os.environ.setdefault("PETSTORE_DB_POOL_SIZE", str(threads))
 
 # GUNICORN_TIMEOUT: a worker silent this long is killed and replaced. Requests themselves are
