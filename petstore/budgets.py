@@ -140,20 +140,37 @@ class AnonymousClients:
             return True
 
 
+def windows(
+    limiter: PlanLimiter, prefix: str, who: str, limits: Limits
+) -> list[tuple[RateLimitItem, int, int]]:
+    """(limit, remaining, reset) of each limit as it stands, counting nothing.
+
+    A window nothing was counted in yet ends a whole window from now. Raises what the storage
+    raises (the fallback's numbers while it is down, as for counting).
+    """
+    now = time.time()
+    stood = []
+    for limit in limits:
+        reset, remaining = limiter.limiter.get_window_stats(limit, prefix, who, SCOPE)
+        if remaining == limit.amount:
+            reset = now + limit.get_expiry()
+        stood.append((limit, remaining, math.ceil(reset)))
+    return stood
+
+
+def nearest(stood: list[tuple[RateLimitItem, int, int]], limits: Limits) -> Shown:
+    """What the headers show: the limit with the fewest requests left (the first on a tie)."""
+    limit, remaining, reset = min(stood, key=lambda window: window[1])
+    return limit, remaining, reset, limits
+
+
 def standing(limiter: PlanLimiter, prefix: str, who: str, limits: Limits) -> Shown | None:
     """(limit, remaining, reset, limits) of the limit nearest to running out, counting nothing."""
-    shown: Shown | None = None
     try:
-        windows = [limiter.limiter.get_window_stats(limit, prefix, who, SCOPE) for limit in limits]
+        return nearest(windows(limiter, prefix, who, limits), limits)
     except Exception:
         log.exception("cannot read the rate limit windows")
         return None
-    for limit, (reset, remaining) in zip(limits, windows, strict=True):
-        if remaining == limit.amount:  # nothing counted in this window yet
-            reset = time.time() + limit.get_expiry()
-        if shown is None or remaining < shown[1]:
-            shown = (limit, remaining, math.ceil(reset), limits)
-    return shown
 
 
 @functools.lru_cache(maxsize=1024)
@@ -173,10 +190,9 @@ def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
     config = current_app.config
     prefix = config["RATELIMIT_STRATEGY"]
     who, limits = budget_of(caller)
-    strategy = limiter.fallback if limiter.storage_dead else limiter.limiter
     try:
-        windows = [strategy.get_window_stats(limit, prefix, who, SCOPE) for limit in limits]
-        strikes = strategy.storage.get(bans.strike_key(config, caller["id"]))
+        stood = windows(limiter, prefix, who, limits)
+        strikes = limiter.limiter.storage.get(bans.strike_key(config, caller["id"]))
     except Exception:
         log.exception("cannot read the rate limit windows")
         raise APIError(
@@ -184,21 +200,16 @@ def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
             "The rate limit storage is unavailable; retry later.",
             headers={"Retry-After": str(config["RETRY_AFTER"])},
         ) from None
-    now = time.time()
-    shown: Shown | None = None
-    named = {}
-    for limit, (reset, remaining) in zip(limits, windows, strict=True):
-        if remaining == limit.amount:  # nothing counted in this window yet
-            reset = now + limit.get_expiry()
-        named[window_name(limit)] = {
+    g.rate_limit_headers = nearest(stood, limits)
+    named = {
+        window_name(limit): {
             "limit": limit.amount,
             "remaining": remaining,
             "used": limit.amount - remaining,
-            "reset": math.ceil(reset),
+            "reset": reset,
         }
-        if shown is None or remaining < shown[1]:
-            shown = (limit, remaining, math.ceil(reset), limits)
-    g.rate_limit_headers = shown
+        for limit, remaining, reset in stood
+    }
     banned_until = caller["banned_until"]
     return {
         "plan": caller["plan"],

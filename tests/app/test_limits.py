@@ -13,7 +13,7 @@ from werkzeug.test import TestResponse
 
 from petstore import db
 from petstore.cli import main as cli
-from support.checks import assert_error
+from support.checks import assert_error, every_status
 
 RATE_HEADERS = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
 
@@ -147,39 +147,12 @@ def test_forwarded_for_from_one_trusted_proxy(make_app: Callable[..., Flask]) ->
     assert ip_budget_used(client, headers=forged) == 3
 
 
-def every_status(client: Any, key: str) -> dict[int, TestResponse]:
-    auth = bearer(key)
-    seen = {
-        200: client.get("/v1/pets", headers=auth),
-        201: client.post("/v1/pets", json={"name": "Rex", "categoryId": 1}, headers=auth),
-        400: client.get("/v1/pets?limit=0", headers=auth),
-        401: client.get("/v1/pets"),
-        404: client.get("/v1/no/such/path", headers=auth),
-        405: client.delete("/v1/pets", headers=auth),
-        413: client.post(
-            "/v1/pets",
-            data=b"{" + b" " * 20000 + b"}",
-            content_type="application/json",
-            headers=auth,
-        ),
-        415: client.post("/v1/pets", data="x", content_type="text/plain", headers=auth),
-        500: client.get("/v1/boom", headers=auth),
-        501: client.get("/v1/store/orders", headers=auth),
-    }
-    return seen
-
-
 def test_every_status_carries_the_rate_limit_headers(
     make_app: Callable[..., Flask], api_key: str, issue_key: Callable[..., str]
 ) -> None:
     app = make_app()
-
-    @app.get("/v1/boom")
-    def boom() -> str:
-        raise RuntimeError("boom")
-
     client = app.test_client()
-    seen = every_status(client, api_key)
+    seen = every_status(app, api_key)
     seen[410] = make_app(SUNSET=0).test_client().get("/v1/pets/1", headers=bearer(api_key))
     tight = issue_key("enterprise", per_minute=1, per_day=10)
     client.get("/v1/pets", headers=bearer(tight))

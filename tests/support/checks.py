@@ -300,3 +300,34 @@ def raw(base_url: str, data: bytes, timeout: float = 10.0) -> Answer:
         started=started,
         raw=received,
     )
+
+
+def every_status(app: Flask, key: str) -> dict[int, TestResponse]:
+    """One answer of each status a /v1 request can get from `app` with this key (and without one).
+
+    Adds GET /v1/boom, a view that fails, for the 500.
+    """
+
+    def boom() -> str:
+        raise RuntimeError("boom")
+
+    app.add_url_rule("/v1/boom", "boom", boom)
+    client = app.test_client()
+    auth = {"Authorization": f"Bearer {key}"}
+    return {
+        200: client.get("/v1/pets", headers=auth),
+        201: client.post("/v1/pets", json={"name": "Rex", "categoryId": 1}, headers=auth),
+        400: client.get("/v1/pets?limit=0", headers=auth),
+        401: client.get("/v1/pets"),
+        404: client.get("/v1/no/such/path", headers=auth),
+        405: client.delete("/v1/pets", headers=auth),
+        413: client.post(
+            "/v1/pets",
+            data=b"{" + b" " * 20000 + b"}",
+            content_type="application/json",
+            headers=auth,
+        ),
+        415: client.post("/v1/pets", data="x", content_type="text/plain", headers=auth),
+        500: client.get("/v1/boom", headers=auth),
+        501: client.get("/v1/store/orders", headers=auth),
+    }
