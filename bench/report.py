@@ -360,7 +360,8 @@ def render(
         "scenario, interleaved (each round runs every scenario on every server in turn, so "
         f"both sides of a ratio see about the same background load), after a {settings['warmup']} "
         f"s mixed warm-up of each server. Every server is gunicorn with `{GUNICORN_CONFIG}` "
-        "(gthread, pool sized to the threads). Three servers per storage:",
+        "and its defaults (memory://: one gthread worker × 4 threads; redis://: sync workers, "
+        "2 per core + 1), the pool sized to the threads. Three servers per storage:",
         "",
         "- the **service**;",
         "- the **bare-Flask floor** (`bench/flask_floor.py`): a plain Flask app doing the "

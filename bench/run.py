@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
 import platform
 import shlex
@@ -90,10 +91,12 @@ MEMORY = (
     Server(FLASK_FLOOR, "memory", 1),
     Server(RAW_FLOOR, "memory", 1),
 )
+# With a shared storage, deploy/gunicorn.conf.py's default: sync workers, 2 per core + 1.
+SHARED_WORKERS = 2 * multiprocessing.cpu_count() + 1
 REDIS = (
-    Server(SERVICE, "redis", 2),
-    Server(FLASK_FLOOR, "redis", 2),
-    Server(RAW_FLOOR, "redis", 2),
+    Server(SERVICE, "redis", SHARED_WORKERS, threads=1, worker_class="sync"),
+    Server(FLASK_FLOOR, "redis", SHARED_WORKERS, threads=1, worker_class="sync"),
+    Server(RAW_FLOOR, "redis", SHARED_WORKERS, threads=1, worker_class="sync"),
 )
 # Where the distance between the service and the floors goes: parts of the service switched off.
 DISTANCE = (

@@ -102,9 +102,11 @@ secure_scheme_headers: dict[str, str] = {}
 # Nor may a SCRIPT_NAME or PATH_INFO header move the app (nginx sets neither).
 forwarder_headers = ""
 
-# The app writes one JSON line per request (petstore.logs); gunicorn's own access log is off and
-# its error log goes to stdout in the same JSON format.
+# The app writes one JSON line per request (petstore.logs); gunicorn's own access log is off (and
+# its logger class does not even build the lines, see petstore.overrides.NoAccessLogger), and
+# its error log goes to stdout in the same JSON format, in batches (petstore.logs.StdoutHandler).
 accesslog = None
+logger_class = "petstore.overrides.NoAccessLogger"
 errorlog = "-"
 loglevel = _env("PETSTORE_LOG_LEVEL", "info").lower()
 logconfig_dict = {
@@ -113,9 +115,8 @@ logconfig_dict = {
     "formatters": {"json": {"()": "petstore.logs.JSONFormatter"}},
     "handlers": {
         "stdout": {
-            "class": "logging.StreamHandler",
+            "class": "petstore.logs.StdoutHandler",
             "formatter": "json",
-            "stream": "ext://sys.stdout",
         }
     },
     "root": {"handlers": ["stdout"], "level": loglevel.upper()},

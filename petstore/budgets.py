@@ -68,8 +68,9 @@ def count(caller: Mapping[str, Any] | None) -> None:
     who, limits = budget_of(caller)
     prefix = current_app.config["RATELIMIT_STRATEGY"]
     shown: Shown | None = None
-    for limit in limits:
-        allowed, remaining, reset = limiter.count(limit, prefix, who, SCOPE)
+    for limit, (allowed, remaining, reset) in zip(
+        limits, limiter.count(limits, prefix, who, SCOPE), strict=False
+    ):
         if not allowed:
             g.rate_limit_headers = (limit, 0, math.ceil(reset), limits)
             # No ban without warning: each 429 of a key says how many more ban it.

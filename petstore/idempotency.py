@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 from flask import Response, current_app, g, request
 
+from petstore import metrics
 from petstore.db import Connection
 from petstore.errors import APIError
 from petstore.queries import idempotency as idempotency_sql
@@ -52,6 +53,7 @@ def replay(stored: dict[str, Any], digest: bytes) -> Response:
     if stored["location"]:
         response.headers["Location"] = stored["location"]
     response.headers["Idempotent-Replayed"] = "true"
+    metrics.idempotent_replayed()
     return response
 
 

@@ -298,7 +298,7 @@ def get_metrics() -> Metrics:
 
 
 def observe_request(response: Response) -> Response:
-    """Count the request and its latency by operation and status; note 429 codes and replays.
+    """Count the request and its latency by operation and status; note 429 codes.
 
     The one per-request call (petstore.pipeline.after_view): it reads what the request left
     (its endpoint, g.started from petstore.logs.start_request) and the response, and changes
@@ -313,8 +313,6 @@ def observe_request(response: Response) -> Response:
     )
     if status == 429:
         metrics.too_many_requests.labels(code=too_many_requests_code(response)).inc()
-    elif status == 201 and response.headers.get("Idempotent-Replayed") == "true":
-        metrics.idempotent_replays.inc()
     return response
 
 
@@ -325,6 +323,11 @@ def too_many_requests_code(response: Response) -> str:
     except (ValueError, AttributeError):
         return "other"
     return code if code in TOO_MANY_REQUESTS_CODES else "other"
+
+
+def idempotent_replayed() -> None:
+    """A POST was answered with the stored response of its Idempotency-Key (petstore.idempotency)."""
+    get_metrics().idempotent_replays.inc()
 
 
 def ban_created() -> None:

@@ -57,8 +57,7 @@ def before_view() -> None:
 
 def after_view(response: Response) -> Response:
     """Everything between the view's answer (or error) and the client."""
-    if web.in_api():
-        budgets.set_headers(response)
+    budgets.set_headers(response)  # only where before_view counted: /v1 paths
     logs.finish_request(response)
     metrics.observe_request(response)
     return response

@@ -1,12 +1,15 @@
 """Limiter storages tuned for this service's request path, chosen by `storage_uri()`.
 
-The pipeline counts a request with one increment per limit (petstore.overrides.count_with)
+The pipeline counts a request in each of its limits' windows (petstore.overrides.count_windows)
 and shows the limit nearest to running out in X-RateLimit-*, so it needs each window's count
 and end. Two changes to the `limits` storages, found by profiling the request path:
 
-- Both: `incr_with_expiry` returns the count and the window's end together: on Redis in the
-  same Lua call (two round trips per request, one per limit), in memory under one lock and
-  without limits' error-wrapping layers around each of incr, get and get_expiry.
+- Both: `incr_windows` counts a request in every window of its budget, smallest first, and
+  stops after the first one it overdraws, as flask-limiter's own loop over limits does; each
+  window's count comes back with the window's end. On Redis that is one Lua call, one round
+  trip per request whatever the number of limits (on Redis Cluster, one per window: the
+  windows' keys may live in different slots). In memory, one lock per window and none of
+  limits' error-wrapping layers around each of incr, get and get_expiry.
 - Memory: limits' MemoryStorage starts a timer thread whenever its last one has finished,
   which under steady traffic means a new thread every few requests. Expired windows are
   already dropped when read; this one also sweeps the rest once a minute, in line.
@@ -15,6 +18,7 @@ and end. Two changes to the `limits` storages, found by profiling the request pa
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from limits.storage import (
@@ -24,14 +28,28 @@ from limits.storage import (
     RedisStorage,
 )
 
-# INCRBY, set the expiry on a new window, and return the count with the window's time to live.
-INCR_EXPIRE_TTL = b"""
-local current = redis.call("incrby", KEYS[1], ARGV[2])
-if tonumber(current) == tonumber(ARGV[2]) then
-    redis.call("expire", KEYS[1], ARGV[1])
+# For each window (KEYS[i], started with ARGV[2i] seconds when new, allowing ARGV[2i+1]): INCRBY
+# ARGV[1], set the expiry of a new window, note the count and the window's time to live; stop
+# after the first window over its limit.
+INCR_WINDOWS = b"""
+local amount = tonumber(ARGV[1])
+local counted = {}
+for i, key in ipairs(KEYS) do
+    local current = redis.call("incrby", key, amount)
+    if current == amount then
+        redis.call("expire", key, ARGV[2 * i])
+    end
+    counted[#counted + 1] = current
+    counted[#counted + 1] = redis.call("pttl", key)
+    if current > tonumber(ARGV[2 * i + 1]) then
+        break
+    end
 end
-return {current, redis.call("pttl", KEYS[1])}
+return counted
 """
+
+# A window to count in: (storage key, seconds it lasts once started, requests it allows).
+Window = tuple[str, int, int]
 
 SCHEME_PREFIX = "petstore+"
 SWEEP_SECONDS = 60.0
@@ -57,12 +75,24 @@ class CountingRedisStorage(RedisStorage):
 
     def initialize_storage(self, uri: str) -> None:
         super().initialize_storage(uri)
-        self.lua_incr_expire_ttl = self.get_connection().register_script(INCR_EXPIRE_TTL)
+        self.lua_incr_windows = self.get_connection().register_script(INCR_WINDOWS)
+
+    def incr_windows(self, windows: Sequence[Window], amount: int = 1) -> list[tuple[int, float]]:
+        """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
+        keys, args = [], [amount]
+        for key, expiry, limit in windows:
+            keys.append(self.prefixed_key(key))
+            args += (expiry, limit)
+        counted = self.lua_incr_windows(keys, args)
+        now = time.time()
+        return [
+            (int(counted[i]), now + max(int(counted[i + 1]), 0) / 1000)
+            for i in range(0, len(counted), 2)
+        ]
 
     def incr_with_expiry(self, key: str, expiry: int, amount: int = 1) -> tuple[int, float]:
         """Add `amount` to the key's window (started with `expiry` s when new): (count, end)."""
-        count, ttl_ms = self.lua_incr_expire_ttl([self.prefixed_key(key)], [expiry, amount])
-        return int(count), time.time() + max(int(ttl_ms), 0) / 1000
+        return self.incr_windows([(key, expiry, 0)], amount)[0]
 
     def incr(self, key: str, expiry: int, amount: int = 1) -> int:
         return self.incr_with_expiry(key, expiry, amount)[0]
@@ -92,6 +122,10 @@ class SweepingMemoryStorage(MemoryStorage):
     def incr(self, key: str, expiry: float, amount: int = 1) -> int:
         return self.incr_with_expiry(key, expiry, amount)[0]
 
+    def incr_windows(self, windows: Sequence[Window], amount: int = 1) -> list[tuple[int, float]]:
+        """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
+        return incr_each(self.incr_with_expiry, windows, amount)
+
     def sweep(self, now: float) -> None:
         """Forget every window that has ended."""
         self.next_sweep = now + SWEEP_SECONDS
@@ -114,6 +148,28 @@ class CountingSentinelStorage(CountingRedisStorage, RedisSentinelStorage):
 
 
 class CountingClusterStorage(CountingRedisStorage, RedisClusterStorage):
-    """redis+cluster://: the same one-call count and expiry; the script touches one key, so one slot."""
+    """redis+cluster://: the same count and expiry in one call per window, since the windows'
+    keys may live in different slots (one script call touches one slot)."""
 
     STORAGE_SCHEME = ["petstore+redis+cluster"]
+
+    def incr_windows(self, windows: Sequence[Window], amount: int = 1) -> list[tuple[int, float]]:
+        """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
+        return incr_each(self.incr_with_expiry, windows, amount)
+
+    def incr_with_expiry(self, key: str, expiry: int, amount: int = 1) -> tuple[int, float]:
+        """Add `amount` to the key's window (started with `expiry` s when new): (count, end)."""
+        return super().incr_windows([(key, expiry, 0)], amount)[0]
+
+
+def incr_each(
+    incr_with_expiry: Any, windows: Sequence[Window], amount: int
+) -> list[tuple[int, float]]:
+    """incr_windows one window at a time, with a storage's own `incr_with_expiry`."""
+    counted = []
+    for key, expiry, limit in windows:
+        count, end = incr_with_expiry(key, expiry, amount)
+        counted.append((count, end))
+        if count > limit:
+            break
+    return counted

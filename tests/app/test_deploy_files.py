@@ -90,6 +90,9 @@ def test_nginx_and_gunicorn_share_the_head_limits(
     assert settings["limit_request_fields"] == 100
     assert settings["secure_scheme_headers"] == {}
     assert settings["forwarder_headers"] == ""
+    # gunicorn builds no access line of its own (the app logs each request).
+    assert settings["accesslog"] is None
+    assert settings["logger_class"] == f"{overrides.__name__}.{overrides.NoAccessLogger.__name__}"
 
 
 def test_every_code_nginx_and_gunicorn_answer_is_in_the_table_of_codes() -> None:

@@ -79,12 +79,12 @@ def test_a_failing_storage_counts_in_memory_until_it_answers_again() -> None:
 
     storage.incr = down  # type: ignore[method-assign]
     storage.check = lambda: False  # type: ignore[method-assign]
-    assert limiter.count(item, "k")[0] and limiter.count(item, "k")[0]
-    assert not limiter.count(item, "k")[0], "the fallback counts"
+    assert limiter.count([item], "k")[0][0] and limiter.count([item], "k")[0][0]
+    assert not limiter.count([item], "k")[0][0], "the fallback counts"
     assert limiter.storage_dead
     storage.incr, storage.check = real_incr, real_check  # type: ignore[method-assign]
     limiter.next_storage_check = 0.0
-    assert limiter.count(item, "k")[0]
+    assert limiter.count([item], "k")[0][0]
     assert not limiter.storage_dead, "back on the storage once it answers"
 
 
@@ -222,3 +222,22 @@ def test_a_handle_error_that_no_longer_calls_write_error_stops_the_override(
     monkeypatch.setattr(overrides, "WRITE_ERROR_CALL", "util.write_html(client)")
     with pytest.raises(overrides.InternalsChanged, match="no longer calls"):
         overrides.use_json_refusals()
+
+
+def test_gunicorn_builds_no_access_line_for_the_app_that_logs_its_own() -> None:
+    """With a logging config, gunicorn's own Logger builds the access atoms; NoAccessLogger does not."""
+    config = Config()
+    config.set("logconfig_dict", {"version": 1, "disable_existing_loggers": False})
+    built = []
+
+    class Watched(overrides.NoAccessLogger):
+        def atoms(self, *args: Any) -> dict[str, Any]:
+            built.append(args)
+            return {}
+
+    class Stock(Logger):  # type: ignore[misc]
+        atoms = Watched.atoms
+
+    for logger_class in (Stock, Watched):
+        logger_class(config).access(None, None, {}, None)
+    assert len(built) == 1, "gunicorn's own logger builds the atoms; ours does not"

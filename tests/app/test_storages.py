@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -59,6 +60,36 @@ def test_redis_increment_tells_count_and_expiry_in_one_call(
     assert counting.incr("k", 60) == 4
     counting.clear("k")
     assert counting.get("k") == 0
+
+
+def test_redis_counts_every_window_of_a_request_in_one_call(
+    counting: storages.CountingRedisStorage, redis_url: str
+) -> None:
+    calls = []
+    script = counting.lua_incr_windows
+
+    def counted_call(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return script(*args, **kwargs)
+
+    counting.lua_incr_windows = counted_call  # type: ignore[assignment]
+    windows = [("minute", 60, 2), ("day", 86_400, 5)]
+    answers = [counting.incr_windows(windows) for _ in range(3)]
+    assert len(calls) == 3, "one round trip per request, not one per window"
+    assert [[count for count, _end in answer] for answer in answers] == [[1, 1], [2, 2], [3]]
+    assert answers[0][0][1] < answers[0][1][1], "each window with its own end"
+    server = redis.Redis.from_url(redis_url)
+    # Past the minute's limit, the day is not counted: flask-limiter stops at the first limit.
+    assert (counting.get("minute"), counting.get("day")) == (3, 2)
+    assert 86_390 <= server.ttl("LIMITS:day") <= 86_400
+
+
+def test_memory_counts_every_window_up_to_the_first_overdrawn() -> None:
+    memory = storages.SweepingMemoryStorage()
+    windows = [("minute", 60, 2), ("day", 86_400, 5)]
+    answers = [memory.incr_windows(windows) for _ in range(3)]
+    assert [[count for count, _end in answer] for answer in answers] == [[1, 1], [2, 2], [3]]
+    assert (memory.get("minute"), memory.get("day")) == (3, 2)
 
 
 def test_memory_increment_tells_count_and_expiry_in_one_call() -> None:

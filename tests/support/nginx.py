@@ -226,6 +226,25 @@ class DeployedGunicorn(Gunicorn):
         """The log as JSON objects (lines that are not JSON are left out; see log_lines)."""
         return [record for record in parse_lines(self.log_lines()) if record is not None]
 
+    def logged(
+        self, request_ids: Collection[str], within: float = 5.0
+    ) -> dict[str, dict[str, Any]]:
+        """request id -> the app's access record of these requests, waiting (bounded) for the last.
+
+        The app writes its access lines in batches, at most petstore.logs.FLUSH_SECONDS after
+        the answer, so a client may read the log before its line is there.
+        """
+        wanted = set(request_ids)
+        return poll_until(
+            lambda: {
+                record["request_id"]: record
+                for record in self.records()
+                if record.get("logger") == "petstore.access" and record["request_id"] in wanted
+            },
+            lambda found: len(found) == len(wanted),
+            within,
+        )
+
     def log_lines(self) -> list[str]:
         """Every line of the log."""
         return self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()

@@ -26,7 +26,7 @@ from support.checks import (
     retry_after,
 )
 from support.nginx import Deployment, Nginx, deploy
-from support.servers import LOOPBACK, SilentServer, free_port
+from support.servers import LOOPBACK, SilentServer, free_port, poll_until
 
 FREE_PER_MINUTE = 60
 IP_PER_MINUTE = 5
@@ -227,20 +227,25 @@ def test_client_ip_is_the_real_client_not_a_forged_header(stack: Deployment) -> 
     assert_error(other, 401, "unauthorized")
     assert rate_limit_numbers(other, IP_PER_MINUTE)[0] == IP_PER_MINUTE - 1
 
-    seen = client_ips(stack)
+    seen = client_ips(stack, [a.headers["x-request-id"] for a in [*answers, other]])
     for answer in answers:
         assert seen[answer.headers["x-request-id"]] == CLIENT_A, answer
     assert seen[other.headers["x-request-id"]] == CLIENT_B
 
 
-def client_ips(stack: Deployment) -> dict[str, str]:
-    """request id -> client_ip, from the app's log lines of both instances."""
-    return {
-        record["request_id"]: record["client_ip"]
-        for server in stack.instances
-        for record in server.records()
-        if record.get("logger") == "petstore.access"
-    }
+def client_ips(stack: Deployment, request_ids: list[str]) -> dict[str, str]:
+    """request id -> client_ip, from the app's log lines of both instances (waiting, bounded)."""
+    wanted = set(request_ids)
+
+    def found() -> dict[str, str]:
+        return {
+            record["request_id"]: record["client_ip"]
+            for server in stack.instances
+            for record in server.records()
+            if record.get("logger") == "petstore.access" and record["request_id"] in wanted
+        }
+
+    return poll_until(found, lambda seen: len(seen) == len(wanted), 5.0)
 
 
 # 4. Errors nginx makes itself are JSON ---------------------------------------------------------

@@ -225,6 +225,9 @@ def test_nginx_hides_metrics_from_clients(
             hidden = call(proxy.url, "GET", path)
             assert hidden.status == 404 and hidden.is_json_error, (path, hidden)
             assert hidden.body["code"] == "not_found"
+        # A request that is logged, as a marker that the log is written up to here.
+        marker = call(server.url, "GET", "/v1/pets")
+        assert server.logged([marker.headers["x-request-id"]]), "the app did not log the marker"
         records = [r for r in server.records() if r.get("logger") == "petstore.access"]
         assert not [r for r in records if r.get("path") == "/metrics"], "logged at debug only"
 
