@@ -623,7 +623,7 @@ def parse_args() -> argparse.Namespace:
         help="only the in-process per-request budget table, printed (no wrk, no servers)",
     )
     parser.add_argument(
-        "--in-process-requests", type=int, default=120, help="requests per in-process round"
+        "--in-process-requests", type=int, default=400, help="requests per in-process round"
     )
     parser.add_argument(
         "--in-process-rounds", type=int, default=8, help="in-process rounds (default 8)"

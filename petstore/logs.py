@@ -71,10 +71,11 @@ class StdoutHandler(logging.Handler):
 
     A write releases the GIL, and under gunicorn's threads each release hands it to another
     thread and back: on the benchmark machine (POST /v1/pets, 1 worker × 4 threads) the request
-    log cost 52 µs of CPU per request written line by line, 35 µs in batches. So a record at INFO or below (the request log) waits in memory, at most FLUSH_SECONDS, for a
-    thread that writes everything pending at once. A WARNING or worse is written at once, after
-    every line before it, and so is a full batch (MAX_PENDING lines); at exit, logging.shutdown
-    writes the rest. A process killed with SIGKILL loses at most the last FLUSH_SECONDS of lines,
+    log cost 52 µs of CPU per request written line by line, 35 µs in batches. So a record at
+    INFO or below (the request log) waits in memory, at most FLUSH_SECONDS, for a thread that
+    writes everything pending at once. A WARNING or worse is written at once, after every line
+    before it, and so is a full batch (MAX_PENDING lines); at exit, logging.shutdown writes the
+    rest. A process killed with SIGKILL loses at most the last FLUSH_SECONDS of lines,
     the trade nginx's `access_log ... flush=` makes.
 
     The lines go to file descriptor 1 with os.write: no buffer of sys.stdout that a fork could
