@@ -140,7 +140,10 @@ def write_every(handler: weakref.ref[StdoutHandler]) -> None:
         live = handler()
         if live is None or live.closed:
             return
-        live.flush()
+        try:
+            live.flush()
+        except OSError:
+            pass  # stdout is gone (a closed pipe): these lines have nowhere to go
         del live
 
 
