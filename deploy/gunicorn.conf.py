@@ -63,10 +63,11 @@ overrides.use_json_refusals()
 # BIND: the address nginx proxies to; several, comma-separated, are allowed.
 bind = _env("BIND", "127.0.0.1:8000").split(",")
 
-# The defaults are the fastest configuration `make bench --configs` measured on 2 cores
-# (bench/results/): with a shared storage (redis://), gunicorn's own recommendation behind
-# nginx, sync workers, 2 per core + 1 (5 × 1 answered 1,259 GET /v1/pets?limit=20 a second,
-# 2 gthread workers × 4 threads 828, at 1,176 against 1,506 µs of CPU per request); memory://
+# The defaults are what `make bench --configs` measured on 2 cores (bench/results/): with a
+# shared storage (redis://), gunicorn's own recommendation behind nginx, sync workers, 2 per
+# core + 1. Sync workers beat threaded ones in every run (GET /v1/pets?limit=20 in the last: 3,
+# 4 and 5 sync workers 2,055, 2,058 and 1,870 a second, 2 gthread workers × 4 threads 1,981, one
+# worker × 4 threads 1,008); between 3, 4 and 5 the order changed from run to run. memory://
 # counts in one process, so it gets one gthread worker with 4 threads.
 _shared_storage = not _env("RATELIMIT_STORAGE_URI", "memory://").startswith("memory://")
 # GUNICORN_WORKER_CLASS: sync (one request at a time per worker) or gthread (threads).
