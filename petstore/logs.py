@@ -162,10 +162,9 @@ def configure(level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # The JSON lines show no thread or process: spare logging their lookup for every record
-    # (the Logging HOWTO's "Optimization" flags).
-    logging.logThreads = False
-    logging.logProcesses = False
+    # The JSON lines show no process name: spare logging its lookup for every record (the Logging
+    # HOWTO's "Optimization" flags). Thread and process ids stay: other formats use them (gunicorn's
+    # own log lines, %(process)d, when it runs without deploy/gunicorn.conf.py).
     logging.logMultiprocessing = False
 
 

@@ -32,6 +32,7 @@ import functools
 import inspect
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -58,6 +59,11 @@ class PlanLimiter(Limiter):
     """flask-limiter with no hooks of its own: the pipeline counts each request once through `count`."""
 
     next_storage_check = 0.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Held to switch to the fallback or back: each switch is made, and logged, once.
+        self.switching = threading.Lock()
 
     @staticmethod
     def on_fallback() -> None:
@@ -86,11 +92,14 @@ class PlanLimiter(Limiter):
         except Exception:
             if not self._in_memory_fallback_enabled:
                 raise
-            if not self._storage_dead:
-                log.warning("Rate limit storage unreachable - falling back to in-memory storage")
-                self.on_fallback()
-                self._storage_dead = True
-                self.next_storage_check = time.monotonic() + STORAGE_RECHECK_SECONDS
+            with self.switching:  # one switch, one line, however many threads fail at once
+                if not self._storage_dead:
+                    self._storage_dead = True
+                    self.next_storage_check = time.monotonic() + STORAGE_RECHECK_SECONDS
+                    log.warning(
+                        "Rate limit storage unreachable - falling back to in-memory storage"
+                    )
+                    self.on_fallback()
             return count_windows(self.fallback, tuple(items), identifiers)
 
     @property
@@ -106,18 +115,23 @@ class PlanLimiter(Limiter):
         return bool(self._storage_dead)
 
     def recheck_storage(self) -> None:
-        """Go back to the storage once it answers again."""
+        """Go back to the storage once it answers again: one thread asks, the others count on."""
         now = time.monotonic()
-        if now < self.next_storage_check:
+        if now < self.next_storage_check or not self.switching.acquire(blocking=False):
             return
-        self.next_storage_check = now + STORAGE_RECHECK_SECONDS
         try:
-            alive = self.storage.check()
-        except Exception:
-            alive = False
-        if alive:
-            log.info("Rate limit storage recovered")
-            self._storage_dead = False
+            if not self._storage_dead or now < self.next_storage_check:
+                return
+            self.next_storage_check = now + STORAGE_RECHECK_SECONDS
+            try:
+                alive = self.storage.check()
+            except Exception:
+                alive = False
+            if alive:
+                self._storage_dead = False
+                log.info("Rate limit storage recovered")
+        finally:
+            self.switching.release()
 
 
 @functools.lru_cache(maxsize=4096)

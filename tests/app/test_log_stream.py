@@ -91,3 +91,19 @@ def test_a_forked_child_writes_its_own_lines_and_not_its_parents() -> None:
     assert sorted(messages(records)) == sorted(
         ["parent, before the fork", "child", "parent, after the child"]
     )
+
+
+def test_other_formats_still_get_the_process_and_thread_ids() -> None:
+    """gunicorn's own lines (run without deploy/gunicorn.conf.py) format %(process)d."""
+    records = run_program(
+        "import io\n"
+        "written = io.StringIO()\n"
+        "handler = logging.StreamHandler(written)\n"
+        "handler.setFormatter(logging.Formatter('[%(process)d] [%(thread)d] %(message)s'))\n"
+        "logging.getLogger('gunicorn.error').addHandler(handler)\n"
+        "logging.getLogger('gunicorn.error').propagate = False\n"
+        "logging.getLogger('gunicorn.error').info('Booting worker')\n"
+        "assert written.getvalue().startswith(f'[{os.getpid()}] ['), written.getvalue()\n"
+        "logging.getLogger('t').info('after')\n"
+    )
+    assert messages(records) == ["after"]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import inspect
 import json
 import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import flask_limiter
@@ -241,3 +244,35 @@ def test_gunicorn_builds_no_access_line_for_the_app_that_logs_its_own() -> None:
     for logger_class in (Stock, Watched):
         logger_class(config).access(None, None, {}, None)
     assert len(built) == 1, "gunicorn's own logger builds the atoms; ours does not"
+
+
+def test_threads_failing_at_once_switch_to_the_fallback_once() -> None:
+    """One switch, one warning, however many threads find the storage down together."""
+    limiter = PlanLimiter(lambda: "k", storage_uri="memory://", in_memory_fallback_enabled=True)
+    limiter.init_app(Flask(__name__))
+    from limits import parse
+
+    item = parse("100/minute")
+    switches = []
+
+    def switched() -> None:
+        switches.append(1)
+        time.sleep(0.01)  # as slow as a log line written to a pipe: other threads run meanwhile
+
+    limiter.on_fallback = switched  # type: ignore[method-assign]
+    start = threading.Barrier(8)
+
+    def down(*args: object, **kwargs: object) -> int:
+        time.sleep(0.01)  # every thread is inside the failing call at once
+        raise ConnectionError("storage down")
+
+    limiter.storage.incr = down  # type: ignore[method-assign]
+
+    def count() -> bool:
+        start.wait()
+        return limiter.count([item], "k")[0][0]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        counted = list(pool.map(lambda _: count(), range(8)))
+    assert counted == [True] * 8, "each request counted in the fallback"
+    assert switches == [1]
