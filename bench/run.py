@@ -379,16 +379,9 @@ def where_the_distance_goes(
     ]
     run.distance_servers = DISTANCE
     run.distance_size = table.size
-    with contextlib.ExitStack() as stack:
-        masters = start_servers(args, stack, DISTANCE, database_url, table, run)
-        targets = check_and_warm_up(args, conn, masters, key, table, run)
-
-        def keep(server: Server, scenario: Scenario, measure: Measure) -> None:
-            run.distance.setdefault((scenario.name, server.label), []).append(measure)
-
-        interleaved(args, conn, table, targets, reads, args.rounds, keep)
-    for (name, label), measures in run.distance.items():
-        say(table, label, name, measures)
+    side_by_side(
+        args, conn, database_url, key, table, run, DISTANCE, reads, args.rounds, run.distance
+    )
 
 
 def serving_configs(
@@ -397,15 +390,33 @@ def serving_configs(
     """The service on redis:// under each gunicorn configuration: limit=20 and POST."""
     chosen = [s for s in scenarios(table) if s.name in ("GET /v1/pets?limit=20", "POST /v1/pets")]
     redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
+    rounds = args.config_rounds
+    side_by_side(args, conn, database_url, key, table, run, CONFIGS, chosen, rounds, run.configs)
+
+
+def side_by_side(
+    args: argparse.Namespace,
+    conn: Conn,
+    database_url: str,
+    key: str,
+    table: Table,
+    run: Run,
+    servers: tuple[Server, ...],
+    chosen: list[Scenario],
+    rounds: int,
+    into: dict[tuple[str, str], list[Measure]],
+) -> None:
+    """Start `servers`, run `rounds` interleaved rounds of `chosen` on them, keep each measure
+    in `into` by (scenario, server label), and say how each did."""
     with contextlib.ExitStack() as stack:
-        masters = start_servers(args, stack, CONFIGS, database_url, table, run)
+        masters = start_servers(args, stack, servers, database_url, table, run)
         targets = check_and_warm_up(args, conn, masters, key, table, run)
 
         def keep(server: Server, scenario: Scenario, measure: Measure) -> None:
-            run.configs.setdefault((scenario.name, server.label), []).append(measure)
+            into.setdefault((scenario.name, server.label), []).append(measure)
 
-        interleaved(args, conn, table, targets, chosen, args.config_rounds, keep)
-    for (name, label), measures in run.configs.items():
+        interleaved(args, conn, table, targets, chosen, rounds, keep)
+    for (name, label), measures in into.items():
         say(table, label, name, measures)
 
 

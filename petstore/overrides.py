@@ -35,7 +35,6 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -74,7 +73,7 @@ class PlanLimiter(Limiter):
         detach_hooks(app, self)
 
     def count(
-        self, items: Sequence[RateLimitItem], *identifiers: str
+        self, items: tuple[RateLimitItem, ...], *identifiers: str
     ) -> list[tuple[bool, int, float]]:
         """Count one request against each of `items` in turn, up to the first one it exceeds:
         (within the limit, remaining, reset time) of each.
@@ -88,7 +87,7 @@ class PlanLimiter(Limiter):
         if self._storage_dead:
             self.recheck_storage()
         try:
-            return count_windows(self.limiter, tuple(items), identifiers)
+            return count_windows(self.limiter, items, identifiers)
         except Exception:
             if not self._in_memory_fallback_enabled:
                 raise
@@ -100,7 +99,7 @@ class PlanLimiter(Limiter):
                         "Rate limit storage unreachable - falling back to in-memory storage"
                     )
                     self.on_fallback()
-            return count_windows(self.fallback, tuple(items), identifiers)
+            return count_windows(self.fallback, items, identifiers)
 
     @property
     def fallback(self) -> RateLimiter:

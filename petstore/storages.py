@@ -79,6 +79,14 @@ class CountingRedisStorage(RedisStorage):
 
     def incr_windows(self, windows: Sequence[Window], amount: int = 1) -> list[tuple[int, float]]:
         """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
+        return self.run_incr_windows(windows, amount)
+
+    def incr_with_expiry(self, key: str, expiry: int, amount: int = 1) -> tuple[int, float]:
+        """Add `amount` to the key's window (started with `expiry` s when new): (count, end)."""
+        return self.run_incr_windows([(key, expiry, 0)], amount)[0]
+
+    def run_incr_windows(self, windows: Sequence[Window], amount: int) -> list[tuple[int, float]]:
+        """incr_windows in one call of the INCR_WINDOWS script."""
         keys, args = [], [amount]
         for key, expiry, limit in windows:
             keys.append(self.prefixed_key(key))
@@ -89,10 +97,6 @@ class CountingRedisStorage(RedisStorage):
             (int(counted[i]), now + max(int(counted[i + 1]), 0) / 1000)
             for i in range(0, len(counted), 2)
         ]
-
-    def incr_with_expiry(self, key: str, expiry: int, amount: int = 1) -> tuple[int, float]:
-        """Add `amount` to the key's window (started with `expiry` s when new): (count, end)."""
-        return self.incr_windows([(key, expiry, 0)], amount)[0]
 
     def incr(self, key: str, expiry: int, amount: int = 1) -> int:
         return self.incr_with_expiry(key, expiry, amount)[0]
@@ -156,10 +160,6 @@ class CountingClusterStorage(CountingRedisStorage, RedisClusterStorage):
     def incr_windows(self, windows: Sequence[Window], amount: int = 1) -> list[tuple[int, float]]:
         """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
         return incr_each(self.incr_with_expiry, windows, amount)
-
-    def incr_with_expiry(self, key: str, expiry: int, amount: int = 1) -> tuple[int, float]:
-        """Add `amount` to the key's window (started with `expiry` s when new): (count, end)."""
-        return super().incr_windows([(key, expiry, 0)], amount)[0]
 
 
 def incr_each(

@@ -57,7 +57,9 @@ def test_info_lines_are_written_within_the_flush_interval_without_an_exit() -> N
 
 
 def test_a_warning_is_written_at_once_after_every_line_before_it() -> None:
+    # No writer thread in time: only the warning itself can write both lines.
     records = run_program(
+        "logs.FLUSH_SECONDS = 3600\n"
         "logging.getLogger('t').info('before')\n"
         "logging.getLogger('t').warning('the warning')\n"
         "os._exit(0)\n"
@@ -67,7 +69,9 @@ def test_a_warning_is_written_at_once_after_every_line_before_it() -> None:
 
 def test_a_full_batch_is_written_at_once() -> None:
     records = run_program(
-        "for n in range(logs.MAX_PENDING): logging.getLogger('t').info('%d', n)\nos._exit(0)\n"
+        "logs.FLUSH_SECONDS = 3600\n"
+        "for n in range(logs.MAX_PENDING): logging.getLogger('t').info('%d', n)\n"
+        "os._exit(0)\n"
     )
     assert messages(records) == [str(n) for n in range(logs.MAX_PENDING)]
 

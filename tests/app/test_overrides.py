@@ -82,12 +82,12 @@ def test_a_failing_storage_counts_in_memory_until_it_answers_again() -> None:
 
     storage.incr = down  # type: ignore[method-assign]
     storage.check = lambda: False  # type: ignore[method-assign]
-    assert limiter.count([item], "k")[0][0] and limiter.count([item], "k")[0][0]
-    assert not limiter.count([item], "k")[0][0], "the fallback counts"
+    assert limiter.count((item,), "k")[0][0] and limiter.count((item,), "k")[0][0]
+    assert not limiter.count((item,), "k")[0][0], "the fallback counts"
     assert limiter.storage_dead
     storage.incr, storage.check = real_incr, real_check  # type: ignore[method-assign]
     limiter.next_storage_check = 0.0
-    assert limiter.count([item], "k")[0][0]
+    assert limiter.count((item,), "k")[0][0]
     assert not limiter.storage_dead, "back on the storage once it answers"
 
 
@@ -270,7 +270,7 @@ def test_threads_failing_at_once_switch_to_the_fallback_once() -> None:
 
     def count() -> bool:
         start.wait()
-        return limiter.count([item], "k")[0][0]
+        return limiter.count((item,), "k")[0][0]
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         counted = list(pool.map(lambda _: count(), range(8)))
