@@ -21,8 +21,9 @@ import psycopg
 from psycopg import sql
 
 from petstore import auth, config, db
-from petstore.plans import PLANS
 from petstore.queries import bans, idempotency, keys
+from petstore.ratelimit.bans import clear_strikes
+from petstore.ratelimit.plans import PLANS
 
 DEV_KEY_LABEL = "development key (make run)"
 GUNICORN_CONFIG = Path("deploy/gunicorn.conf.py")
@@ -330,20 +331,6 @@ def bans_lift(key_id: int) -> None:
             f"storage ({type(exc).__name__}: {exc}); they expire with their window"
         ) from None
     click.echo(f"lifted the ban of key {key_id} and cleared its strikes")
-
-
-def clear_strikes(settings: dict[str, Any], key_id: int) -> None:
-    """Forget the key's strikes in the limiter storage of `settings` (the service's own)."""
-    from limits.storage import storage_from_string
-
-    from petstore import bans as ban_rules
-    from petstore import budgets, storages
-
-    storage = storage_from_string(
-        storages.storage_uri(settings["RATELIMIT_STORAGE_URI"]),
-        **budgets.storage_options(settings),
-    )
-    storage.clear(ban_rules.strike_key(settings, key_id))
 
 
 def ensure_database(server_url: str, dbname: str) -> None:

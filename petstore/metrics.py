@@ -58,7 +58,7 @@ OPERATIONS: dict[str | None, str] = {
 }
 UNKNOWN = "unknown"
 
-# The codes of a 429 (petstore/budgets.py, petstore/bans.py); any other body would be counted as "other".
+# The codes of a 429 (petstore/ratelimit/budgets.py, bans.py); any other body would be counted as "other".
 TOO_MANY_REQUESTS_CODES = frozenset({"rate_limited", "api_key_banned"})
 
 # Seconds. The service answers in 1 to 50 ms when healthy, so that range gets most bounds;
@@ -331,7 +331,7 @@ def idempotent_replayed() -> None:
 
 
 def ban_created() -> None:
-    """A key was banned (petstore.bans.strike)."""
+    """A key was banned (petstore.ratelimit.bans.strike)."""
     get_metrics().bans_created.inc()
 
 
@@ -342,7 +342,7 @@ def database_unavailable(error: BaseException) -> None:
 
 
 def ratelimit_storage_failed() -> None:
-    """The limiter's storage failed and this worker now counts in memory (petstore.overrides.PlanLimiter.count)."""
+    """The limiter's storage failed; this worker now counts in memory (ratelimit.limiter.PlanLimiter.count)."""
     get_metrics().ratelimit_storage_errors.inc()
 
 

@@ -10,7 +10,8 @@ from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin
 from werkzeug.http import http_date
 
-from petstore import errors, plans, schemas
+from petstore import errors, schemas
+from petstore.ratelimit import plans
 
 # 3.0, not 3.1: in 3.1 (JSON Schema 2020-12) `1.0` is an integer, but this service refuses it
 # for categoryId (a JSON integer literal is required); 3.0's Schema Object says the same as we do.
@@ -54,7 +55,7 @@ method an operation does not list answers 405 `method_not_allowed` with an `Allo
 
 
 def description() -> str:
-    """info.description, with the plans' numbers from petstore.plans."""
+    """info.description, with the plans' numbers from petstore.ratelimit.plans."""
     numbers = ", ".join(
         f"{plan} {per_minute:,}/minute and {per_day:,}/day"
         for plan, (per_minute, per_day) in plans.PLAN_LIMITS.items()

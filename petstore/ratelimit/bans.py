@@ -10,12 +10,14 @@ from typing import Any
 
 from flask import current_app, g
 from limits import RateLimitItem
+from limits.storage import storage_from_string
 
 from petstore import db, metrics
 from petstore.errors import APIError
-from petstore.overrides import PlanLimiter
-from petstore.plans import key_limits
 from petstore.queries import bans as ban_sql
+from petstore.ratelimit import storages
+from petstore.ratelimit.limiter import PlanLimiter
+from petstore.ratelimit.plans import key_limits
 
 log = logging.getLogger(__name__)
 
@@ -97,3 +99,12 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
         f" This key is now banned for {duration(ban['seconds'])} for calling on after 429 "
         "responses."
     )
+
+
+def clear_strikes(settings: dict[str, Any], key_id: int) -> None:
+    """Forget the key's strikes in the limiter storage of `settings` (the service's own)."""
+    storage = storage_from_string(
+        storages.storage_uri(settings["RATELIMIT_STORAGE_URI"]),
+        **storages.storage_options(settings),
+    )
+    storage.clear(strike_key(settings, key_id))

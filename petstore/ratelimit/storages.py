@@ -1,6 +1,6 @@
 """Limiter storages tuned for this service's request path, chosen by `storage_uri()`.
 
-The pipeline counts a request in each of its limits' windows (petstore.overrides.count_windows)
+The pipeline counts a request in each of its limits' windows (petstore.ratelimit.limiter.count_windows)
 and shows the limit nearest to running out in X-RateLimit-*, so it needs each window's count
 and end. Two changes to the `limits` storages, found by profiling the request path:
 
@@ -18,7 +18,7 @@ and end. Two changes to the `limits` storages, found by profiling the request pa
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from limits.storage import (
@@ -63,6 +63,20 @@ def storage_uri(configured: str, tuned: bool = True) -> str:
     ):
         return SCHEME_PREFIX + configured
     return configured
+
+
+def storage_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Short socket timeouts for Redis, so a dead or silent Redis cannot hang a request."""
+    uri = config["RATELIMIT_STORAGE_URI"]
+    timeout = config["REDIS_TIMEOUT"]
+    timeouts = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    if uri.startswith(("redis://", "rediss://", "redis+cluster://")):
+        return timeouts
+    if uri.startswith("redis+sentinel://"):
+        # The same bounds for asking the sentinels; counts are read on the master only, since
+        # a replica lags behind it.
+        return {**timeouts, "sentinel_kwargs": dict(timeouts), "use_replicas": False}
+    return {}
 
 
 class CountingRedisStorage(RedisStorage):

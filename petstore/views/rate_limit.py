@@ -7,9 +7,10 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, g
 
-from petstore import budgets, schemas
+from petstore import schemas
 from petstore.auth import uncounted
 from petstore.openapi import JSON, Operations, common_responses, rate_limit_headers
+from petstore.ratelimit import budgets
 
 bp = Blueprint("rate_limit", __name__)
 OPERATIONS = Operations()

@@ -1,4 +1,5 @@
-"""The library internals petstore/overrides.py relies on: each override does its job, or fails here loudly."""
+"""The library internals petstore/overrides.py (gunicorn) and petstore/ratelimit/limiter.py
+(flask-limiter) rely on: each override does its job, or fails here loudly."""
 
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ from gunicorn.workers.sync import SyncWorker
 from limits.strategies import FixedWindowRateLimiter, RateLimiter
 
 from petstore import overrides
-from petstore.overrides import PlanLimiter
+from petstore.ratelimit.limiter import PlanLimiter
 
 
 def test_flask_limiter_is_the_version_the_overrides_were_checked_against() -> None:
     # A new version: re-read flask_limiter/_extension.py (init_app, _check_request_limit,
-    # the `limiter` property) against petstore/overrides.py, then update this number.
+    # the `limiter` property) against petstore/ratelimit/limiter.py, then update this number.
     assert flask_limiter.__version__ == "4.1.1"
 
 
