@@ -91,7 +91,7 @@ def show_unspent() -> None:
     if limiter.enabled:
         who, limits = budget_of(None)
         prefix = current_app.config["RATELIMIT_STRATEGY"]
-        g.rate_limit_headers = standing(limiter, prefix, who, limits)
+        g.rate_limit_headers = headers_standing(limiter, prefix, who, limits)
 
 
 def budget_of(caller: Mapping[str, Any] | None) -> tuple[str, Limits]:
@@ -137,10 +137,10 @@ class AnonymousClients:
             return True
 
 
-def windows(
+def window_stats(
     limiter: PlanLimiter, prefix: str, who: str, limits: Limits
 ) -> list[tuple[RateLimitItem, int, int]]:
-    """(limit, remaining, reset) of each limit as it stands, counting nothing.
+    """(limit, remaining, reset) of each limit as it stands, read from the limiter, counting nothing.
 
     A window nothing was counted in yet ends a whole window from now. Raises what the storage
     raises (the fallback's numbers while it is down, as for counting).
@@ -161,10 +161,11 @@ def nearest(stood: list[tuple[RateLimitItem, int, int]], limits: Limits) -> Show
     return limit, remaining, reset, limits
 
 
-def standing(limiter: PlanLimiter, prefix: str, who: str, limits: Limits) -> Shown | None:
-    """(limit, remaining, reset, limits) of the limit nearest to running out, counting nothing."""
+def headers_standing(limiter: PlanLimiter, prefix: str, who: str, limits: Limits) -> Shown | None:
+    """The standing X-RateLimit-* show, counting nothing: (limit, remaining, reset, limits) of the
+    limit nearest to running out; None when the storage cannot be read (no headers then)."""
     try:
-        return nearest(windows(limiter, prefix, who, limits), limits)
+        return nearest(window_stats(limiter, prefix, who, limits), limits)
     except Exception:
         log.exception("cannot read the rate limit windows")
         return None
@@ -177,9 +178,9 @@ def window_name(limit: RateLimitItem) -> str:
     return name if limit.multiples == 1 else f"{limit.multiples}{name}"
 
 
-def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
-    """A key's own standing (GET /v1/rate_limit), counting nothing: its plan, each limit's
-    window, its ban and its strikes. X-RateLimit-* show the limit nearest to running out.
+def rate_limit_standing(caller: Mapping[str, Any]) -> dict[str, Any]:
+    """A key's own standing, the body of GET /v1/rate_limit, counting nothing: its plan, each
+    limit's window, its ban and its strikes. X-RateLimit-* show the limit nearest to running out.
 
     A storage that cannot be read is a 503: these numbers have no stand-in.
     """
@@ -188,7 +189,7 @@ def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
     prefix = config["RATELIMIT_STRATEGY"]
     who, limits = budget_of(caller)
     try:
-        stood = windows(limiter, prefix, who, limits)
+        stood = window_stats(limiter, prefix, who, limits)
         strikes = limiter.limiter.storage.get(bans.strike_key(config, caller["id"]))
     except Exception:
         log.exception("cannot read the rate limit windows")

@@ -27,7 +27,7 @@ from flask_limiter import Limiter
 from limits import RateLimitItem
 from limits.strategies import FixedWindowRateLimiter, RateLimiter
 
-from petstore.ratelimit.storages import Window
+from petstore.ratelimit.storages import StorageWindow
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,11 @@ class PlanLimiter(Limiter):
 
 
 @functools.lru_cache(maxsize=4096)
-def windows_of(items: tuple[RateLimitItem, ...], identifiers: tuple[str, ...]) -> list[Window]:
-    """(storage key, expiry, amount) of each item: made once per budget, not once per request."""
+def storage_windows(
+    items: tuple[RateLimitItem, ...], identifiers: tuple[str, ...]
+) -> list[StorageWindow]:
+    """The storage's windows to count each item in, as (storage key, expiry, amount): made once
+    per budget, not once per request."""
     return [(item.key_for(*identifiers), item.get_expiry(), item.amount) for item in items]
 
 
@@ -127,7 +130,7 @@ def count_windows(
     the first one the request exceeds."""
     incr_windows = getattr(strategy.storage, "incr_windows", None)
     if type(strategy) is FixedWindowRateLimiter and incr_windows is not None:
-        counted = incr_windows(windows_of(items, identifiers))
+        counted = incr_windows(storage_windows(items, identifiers))
         return [
             (count <= item.amount, max(0, item.amount - count), reset)
             for item, (count, reset) in zip(items, counted, strict=False)

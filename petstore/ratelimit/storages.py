@@ -49,7 +49,7 @@ return counted
 """
 
 # A window to count in: (storage key, seconds it lasts once started, requests it allows).
-Window = tuple[str, int, int]
+StorageWindow = tuple[str, int, int]
 
 SCHEME_PREFIX = "petstore+"
 SWEEP_SECONDS = 60.0
@@ -91,7 +91,9 @@ class CountingRedisStorage(RedisStorage):
         super().initialize_storage(uri)
         self.lua_incr_windows = self.get_connection().register_script(INCR_WINDOWS)
 
-    def incr_windows(self, windows: Sequence[Window], amount: int = 1) -> list[tuple[int, float]]:
+    def incr_windows(
+        self, windows: Sequence[StorageWindow], amount: int = 1
+    ) -> list[tuple[int, float]]:
         """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
         return self.run_incr_windows(windows, amount)
 
@@ -99,7 +101,9 @@ class CountingRedisStorage(RedisStorage):
         """Add `amount` to the key's window (started with `expiry` s when new): (count, end)."""
         return self.run_incr_windows([(key, expiry, 0)], amount)[0]
 
-    def run_incr_windows(self, windows: Sequence[Window], amount: int) -> list[tuple[int, float]]:
+    def run_incr_windows(
+        self, windows: Sequence[StorageWindow], amount: int
+    ) -> list[tuple[int, float]]:
         """incr_windows in one call of the INCR_WINDOWS script."""
         keys, args = [], [amount]
         for key, expiry, limit in windows:
@@ -140,7 +144,9 @@ class SweepingMemoryStorage(MemoryStorage):
     def incr(self, key: str, expiry: float, amount: int = 1) -> int:
         return self.incr_with_expiry(key, expiry, amount)[0]
 
-    def incr_windows(self, windows: Sequence[Window], amount: int = 1) -> list[tuple[int, float]]:
+    def incr_windows(
+        self, windows: Sequence[StorageWindow], amount: int = 1
+    ) -> list[tuple[int, float]]:
         """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
         return incr_each(self.incr_with_expiry, windows, amount)
 
@@ -171,13 +177,15 @@ class CountingClusterStorage(CountingRedisStorage, RedisClusterStorage):
 
     STORAGE_SCHEME = ["petstore+redis+cluster"]
 
-    def incr_windows(self, windows: Sequence[Window], amount: int = 1) -> list[tuple[int, float]]:
+    def incr_windows(
+        self, windows: Sequence[StorageWindow], amount: int = 1
+    ) -> list[tuple[int, float]]:
         """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
         return incr_each(self.incr_with_expiry, windows, amount)
 
 
 def incr_each(
-    incr_with_expiry: Any, windows: Sequence[Window], amount: int
+    incr_with_expiry: Any, windows: Sequence[StorageWindow], amount: int
 ) -> list[tuple[int, float]]:
     """incr_windows one window at a time, with a storage's own `incr_with_expiry`."""
     counted = []
