@@ -113,7 +113,17 @@ def test_key_queries_commit_nothing(tx: db.Connection, conn: db.Connection) -> N
 
 def test_ban_queries_commit_nothing(tx: db.Connection, conn: db.Connection) -> None:
     key = new_key(tx)
-    ban = still_open(tx, ban_sql.insert_ban, tx, key_id=key["id"], base_seconds=60, strikes=10)
+    ban = still_open(
+        tx,
+        ban_sql.insert_ban,
+        tx,
+        key_id=key["id"],
+        base_seconds=60,
+        strikes=10,
+        escalation=2,
+        max_seconds=86_400,
+        repeat_seconds=86_400,
+    )
     assert ban is not None and ban["seconds"] == 60
     assert [row["id"] for row in still_open(tx, ban_sql.list_bans, tx)] == [ban["id"]]
     assert still_open(tx, ban_sql.lift_bans, tx, key["id"]) == 1
