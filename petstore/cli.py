@@ -20,7 +20,7 @@ import click
 import psycopg
 from psycopg import sql
 
-from petstore import auth, config, db
+from petstore import auth, config, db, openapi, views
 from petstore.queries import bans, idempotency, keys
 from petstore.ratelimit.bans import clear_strikes
 from petstore.ratelimit.plans import PLANS
@@ -514,10 +514,8 @@ def run_gunicorn(bind: str) -> int:
 @main.command("openapi")
 def openapi_document() -> None:
     """Print the OpenAPI document that GET /v1/openapi.json serves (JSON; no database needed)."""
-    from petstore import openapi
-
     try:
         settings = config.from_environ()
     except config.ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(openapi.to_json(openapi.build_document(settings)), nl=False)
+    click.echo(openapi.to_json(openapi.build_document(settings, views.described())), nl=False)

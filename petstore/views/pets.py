@@ -19,7 +19,7 @@ from petstore.openapi import (
     common_responses,
     deprecated_error,
     deprecation_headers,
-    error_response,
+    error_response_object,
     rate_limit_headers,
 )
 from petstore.queries import pets as pet_sql
@@ -109,20 +109,20 @@ def describe_create_pet(config: Mapping[str, Any]) -> dict[str, Any]:
                 },
             },
             "400": "BadRequest",
-            "403": error_response(
+            "403": error_response_object(
                 403,
                 "The API key lacks the `write` scope (a read-only key); "
                 '`WWW-Authenticate` says `error="insufficient_scope", scope="write"`.',
                 ("WWW-Authenticate",),
             ),
-            "409": error_response(
+            "409": error_response_object(
                 409, "The `Idempotency-Key` was used before with a different body."
             ),
-            "413": error_response(
+            "413": error_response_object(
                 413,
                 f"The body is longer than {config['MAX_CONTENT_LENGTH']} bytes.",
             ),
-            "415": error_response(415, "The body is not `application/json`."),
+            "415": error_response_object(415, "The body is not `application/json`."),
             **common_responses(),
         },
     }

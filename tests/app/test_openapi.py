@@ -287,7 +287,7 @@ def test_built_once_per_app(app: Flask, monkeypatch: pytest.MonkeyPatch) -> None
     client = app.test_client()
     first = client.get("/v1/openapi.json").get_data()
 
-    def refuse(config: Any) -> dict[str, Any]:
+    def refuse(config: Any, descriptions: Any) -> dict[str, Any]:
         raise AssertionError("the document is built again")
 
     monkeypatch.setattr(openapi, "build_document", refuse)
