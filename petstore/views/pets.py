@@ -23,7 +23,7 @@ from petstore.openapi import (
     rate_limit_headers,
 )
 from petstore.queries import pets as pet_sql
-from petstore.web import json_body, json_response, validate, validate_query
+from petstore.web import API_PREFIX, json_body, json_response, validate, validate_query
 
 bp = Blueprint("pets", __name__)
 OPERATIONS = Operations()
@@ -71,7 +71,7 @@ def list_pets() -> Response:
         following = f"limit={query['limit']}&after={page['last_id']}"
         if status is not None:
             following += f"&status={status}"
-        headers["Link"] = f'</v1/pets?{following}>; rel="next"'
+        headers["Link"] = f'<{API_PREFIX}/pets?{following}>; rel="next"'
     return json_response(page["pets"], headers=headers)
 
 
@@ -164,7 +164,9 @@ def create_pet() -> Response:
             category_id=new_pet["category_id"],
             status=new_pet.get("status"),
         )
-        return json_response(row["pet"], 201, headers={"Location": f"/v1/pets/{row['id']}"})
+        return json_response(
+            row["pet"], 201, headers={"Location": f"{API_PREFIX}/pets/{row['id']}"}
+        )
 
     if key is None:
         return store(get_conn())
@@ -215,12 +217,13 @@ def get_pet(pet_id: str) -> Response:
     headers = {
         "Deprecation": f"@{config['DEPRECATED_AT']}",
         "Sunset": http_date(config["SUNSET"]),
-        "Link": '</v1/pets>; rel="successor-version"',
+        "Link": f'<{API_PREFIX}/pets>; rel="successor-version"',
     }
     if time.time() >= config["SUNSET"]:
         raise APIError(
             410,
-            "GET /v1/pets/{petId} was removed at its sunset; use GET /v1/pets with the status filter.",
+            f"GET {API_PREFIX}/pets/{{petId}} was removed at its sunset; "
+            f"use GET {API_PREFIX}/pets with the status filter.",
             headers=headers,
         )
     # Not an int64: no such pet (404), the same answer as for an id that does not exist.

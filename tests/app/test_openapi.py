@@ -30,7 +30,7 @@ OPERATIONS = {
     ("/store/orders", "get"): "listOrders",
     ("/rate_limit", "get"): "getRateLimit",
 }
-# Every status each operation really answers (see petstore.errors, limits, auth and the views).
+# Every status each operation really answers (see petstore.errors, petstore.ratelimit, auth and the views).
 STATUSES = {
     "listPets": {"200", "400", "401", "429", "500", "503"},
     "createPet": {"201", "400", "401", "403", "409", "413", "415", "429", "500", "503"},
