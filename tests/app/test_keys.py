@@ -15,6 +15,7 @@ from flask.testing import FlaskClient
 
 from conftest import count_pets
 from petstore import db
+from petstore.auth import needs_scope
 from petstore.cli import main
 from support.checks import assert_error
 
@@ -193,6 +194,50 @@ def test_the_403_spends_budget_like_any_answer(cli: Cli, client: FlaskClient) ->
     assert first.status_code == second.status_code == 403
     assert int(first.headers["X-RateLimit-Remaining"]) == 59
     assert int(second.headers["X-RateLimit-Remaining"]) == 58
+
+
+def throwaway_app(make_app: Callable[..., Flask]) -> Flask:
+    """The app with views no operation has: unmarked POST and GET ones, and a POST lowered to read."""
+    app = make_app()
+
+    def unmarked() -> tuple[str, int]:
+        return "", 204
+
+    def lowered() -> tuple[str, int]:
+        return "", 204
+
+    app.add_url_rule("/v1/_throwaway", "throwaway", unmarked, methods=["GET", "POST", "DELETE"])
+    app.add_url_rule(
+        "/v1/_throwaway_read", "throwaway_read", needs_scope("read")(lowered), methods=["POST"]
+    )
+    return app
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        pytest.param("POST", "/v1/_throwaway", 403, id="unmarked-post-needs-write"),
+        pytest.param("DELETE", "/v1/_throwaway", 403, id="unmarked-delete-needs-write"),
+        pytest.param("GET", "/v1/_throwaway", 204, id="unmarked-get-needs-read"),
+        pytest.param("HEAD", "/v1/_throwaway", 204, id="unmarked-head-needs-read"),
+        pytest.param("POST", "/v1/_throwaway_read", 204, id="post-lowered-to-read"),
+    ],
+)
+def test_a_view_without_a_mark_needs_the_scope_of_its_method(
+    make_app: Callable[..., Flask], cli: Cli, method: str, path: str, status: int
+) -> None:
+    """A new write view that forgets needs_scope("write") still refuses read-only keys."""
+    read = printed_key(cli("keys", "create", "--plan", "free", "--scope", "read"))
+    both = printed_key(cli("keys", "create", "--plan", "free"))
+    client = throwaway_app(make_app).test_client()
+
+    answer = client.open(path, method=method, headers=bearer(read))
+    assert client.open(path, method=method, headers=bearer(both)).status_code == 204
+
+    assert answer.status_code == status
+    if status == 403:
+        assert_error(answer, 403, "insufficient_scope")
+        assert answer.headers.get_all("WWW-Authenticate") == [INSUFFICIENT_SCOPE]
 
 
 def test_default_scopes_are_read_and_write(cli: Cli, conn: db.Connection) -> None:
