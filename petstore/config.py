@@ -161,9 +161,10 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_DEPRECATED_AT": ("DEPRECATED_AT", _instant, calendar.timegm((2026, 11, 26, 0, 0, 0))),
     "PETSTORE_SUNSET": ("SUNSET", _instant, calendar.timegm((2030, 12, 5, 0, 0, 0))),
     "PETSTORE_PROXY_COUNT": ("PROXY_COUNT", _int(0), 0),
-    # Unset: the document names the server it was fetched from (petstore.views.docs).
+    # Unset: the document's server is the relative /v1 (petstore.openapi.servers), never a Host.
     "PETSTORE_BASE_URL": ("PUBLIC_BASE_URL", _http_url, None),
-    "PETSTORE_STAGING_BASE_URL": ("STAGING_BASE_URL", _http_url, "http://127.0.0.1:8001/v1"),
+    # Unset: the document names no staging server.
+    "PETSTORE_STAGING_BASE_URL": ("STAGING_BASE_URL", _http_url, None),
     "RATELIMIT_STORAGE_URI": ("RATELIMIT_STORAGE_URI", _storage_uri, "memory://"),
     "PETSTORE_RATELIMIT_STRATEGY": ("RATELIMIT_STRATEGY", _strategy, "fixed-window"),
     "PETSTORE_IP_LIMITS": ("IP_LIMITS", _limits, "60/minute;1000/day"),

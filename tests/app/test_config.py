@@ -92,7 +92,7 @@ TABLE: dict[str, tuple[Any, str, Any, str | None]] = {
         "/v1",
     ),
     "PETSTORE_STAGING_BASE_URL": (
-        "http://127.0.0.1:8001/v1",
+        None,
         "http://staging.test/v1",
         "http://staging.test/v1",
         "staging.test",
