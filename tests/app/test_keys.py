@@ -60,8 +60,8 @@ def table(conn: db.Connection) -> list[dict[str, object]]:
     return conn.execute("select * from api_keys order by id").fetchall()
 
 
-def assert_one_line_refusal(result: Result, *words: str) -> None:
-    assert result.exit_code == 2, result.output
+def assert_one_line_refusal(result: Result, *words: str, exit_code: int = 2) -> None:
+    assert result.exit_code == exit_code, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1, result.output
     for word in words:
@@ -321,18 +321,19 @@ def test_rotating_twice_keeps_only_the_last_previous_secret(
 
 
 @pytest.mark.parametrize(
-    ("target", "args", "words"),
+    ("target", "args", "words", "exit_code"),
     [
-        pytest.param("unknown", [], ["no live key"], id="unknown"),
-        pytest.param("revoked", [], ["no live key"], id="revoked"),
-        pytest.param("not-a-number", [], ["no live key"], id="not-a-number"),
-        pytest.param("live", ["--grace", "0h"], ["--grace"], id="zero-grace"),
-        pytest.param("live", ["--grace", "a while"], ["--grace"], id="bad-grace"),
+        pytest.param("unknown", [], ["no live key"], 3, id="unknown"),
+        pytest.param("revoked", [], ["no live key"], 3, id="revoked"),
+        pytest.param("not-a-number", [], ["is not a key id"], 2, id="not-a-number"),
+        pytest.param("live", ["--grace", "0h"], ["--grace"], 2, id="zero-grace"),
+        pytest.param("live", ["--grace", "a while"], ["--grace"], 2, id="bad-grace"),
     ],
 )
-def test_bad_rotations_are_one_line_exit_2_and_change_nothing(
-    cli: Cli, conn: db.Connection, target: str, args: list[str], words: list[str]
+def test_bad_rotations_are_one_line_and_change_nothing(
+    cli: Cli, conn: db.Connection, target: str, args: list[str], words: list[str], exit_code: int
 ) -> None:
+    """A usage error exits 2, no such (live) key 3, as for every command on a key."""
     live = printed_key(cli("keys", "create", "--plan", "free"))
     revoked = printed_key(cli("keys", "create", "--plan", "free"))
     assert cli("keys", "revoke", str(key_id(conn, revoked))).exit_code == 0
@@ -346,5 +347,5 @@ def test_bad_rotations_are_one_line_exit_2_and_change_nothing(
 
     result = cli("keys", "rotate", ids[target], *args)
 
-    assert_one_line_refusal(result, *words)
+    assert_one_line_refusal(result, *words, exit_code=exit_code)
     assert table(conn) == before
