@@ -25,7 +25,8 @@ import psycopg
 import pytest
 from psycopg import conninfo, sql
 
-from support.servers import LOOPBACK, ROOT, free_port
+from support.nginx import Nginx, nginx_binary
+from support.servers import LOOPBACK, ROOT, free_port, poll_until
 
 SCRIPT = ROOT / "deploy" / "install.sh"
 
@@ -228,3 +229,54 @@ def test_install_script_refuses_code_the_service_user_could_change(
         f"refusing: {service_user} may write {venv}, the code: make root own it"
     ]
     assert not (workdir / "petstore.env").exists()
+
+
+# README.rst, "Deploying behind nginx", step 4: start nginx, or reload the one that runs.
+NGINX_START_OR_RELOAD = "nginx -t && { nginx -s reload 2>/dev/null || nginx; }"
+
+
+def test_the_readme_starts_nginx_when_it_is_not_running_and_reloads_it_when_it_is(
+    workdir: Path,
+) -> None:
+    """No systemd: `nginx -s reload` alone fails without a running nginx (`invalid PID number`)."""
+    assert f"       {NGINX_START_OR_RELOAD}\n" in (ROOT / "README.rst").read_text()
+    proxy = Nginx([f"{LOOPBACK}:{free_port()}"], workdir / "nginx", workers=1)
+    main = proxy.write_config()
+    # `nginx` as the README runs it, on the test's own config, prefix and ports.
+    wrapper = workdir / "bin" / "nginx"
+    wrapper.parent.mkdir()
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'exec {nginx_binary()} -p {proxy.prefix}/ -c {main} -e {proxy.error_log_path} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    environ = {**os.environ, "PATH": f"{wrapper.parent}:{os.environ['PATH']}"}
+    pid_file = proxy.prefix / "nginx.pid"
+    try:
+        started = subprocess.run(
+            ["bash", "-c", NGINX_START_OR_RELOAD], env=environ, capture_output=True, timeout=30
+        )
+        assert started.returncode == 0, started.stderr
+        first = int(pid_file.read_text())
+        workers = workers_of(first)
+        reloaded = subprocess.run(
+            ["bash", "-c", NGINX_START_OR_RELOAD], env=environ, capture_output=True, timeout=30
+        )
+        assert reloaded.returncode == 0, reloaded.stderr
+        assert int(pid_file.read_text()) == first and alive(first)
+        # A reload starts new workers in the same master.
+        renewed = poll_until(lambda: workers_of(first), lambda now: not set(now) & set(workers), 10)
+        assert renewed and proxy.answers()
+    finally:
+        if pid_file.exists():
+            stop_nginx(int(pid_file.read_text()))
+
+
+def stop_nginx(pid: int) -> None:
+    """SIGQUIT the nginx master the test started (daemonized), wait (bounded), SIGKILL if left."""
+    os.kill(pid, signal.SIGQUIT)
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(pid):
+        os.killpg(os.getpgid(pid), signal.SIGKILL)
