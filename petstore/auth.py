@@ -27,6 +27,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # What a key may do (sql/0005): GET operations need read, POST ones write. New keys get both.
 SCOPES = ("read", "write")
+# The methods that only read; any other needs write unless its view says otherwise (default deny).
+READ_METHODS = frozenset(("GET", "HEAD"))
 
 
 def new_key() -> str:
@@ -94,7 +96,7 @@ def public(view: F) -> F:
 
 
 def needs_scope(scope: str) -> Callable[[F], F]:
-    """Mark a view as needing `scope` of the key (views without the mark need read)."""
+    """Mark a view as needing `scope` of the key, instead of its method's (see require_scope)."""
     if scope not in SCOPES:
         raise ValueError(f"unknown scope {scope!r}")
 
@@ -125,11 +127,13 @@ def current_view() -> Callable[..., Any] | None:
 def require_scope(caller: Mapping[str, Any] | None, view: Callable[..., Any] | None) -> None:
     """403 insufficient_scope when the key lacks the scope its view needs (RFC 6750).
 
+    A view needs the scope its mark (needs_scope) names, else its method's: read for GET and
+    HEAD, write for every other, so a view that forgets the mark never lets a read key write.
     After counting: the 403 spends budget like any other answer.
     """
     if caller is None or view is None:
         return
-    scope = getattr(view, "scope", "read")
+    scope = getattr(view, "scope", None) or method_scope(request.method)
     # Space-separated, as OAuth writes scopes: a text is cheaper to read than an array.
     if scope not in caller["scopes"].split():
         raise APIError(
@@ -138,6 +142,11 @@ def require_scope(caller: Mapping[str, Any] | None, view: Callable[..., Any] | N
             "insufficient_scope",
             headers={"WWW-Authenticate": f'{REALM}, error="insufficient_scope", scope="{scope}"'},
         )
+
+
+def method_scope(method: str) -> str:
+    """The scope a request with this method needs when its view names none."""
+    return "read" if method in READ_METHODS else "write"
 
 
 def bearer_token(header: str) -> str | None:

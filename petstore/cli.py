@@ -111,10 +111,34 @@ def keys_group() -> None:
     """API keys."""
 
 
+# Exit statuses, one per kind of outcome, the same for every command (README.rst, "The command
+# line"): 0 done; 1 the command could not run (a setting, PostgreSQL, the limiter storage);
+# 2 a usage error; 3 no such key; 4 nothing to do. Each refusal is one line on stderr.
+
+
 class BadInput(click.ClickException):
     """Input the command refuses before changing anything: one line on stderr, exit status 2."""
 
     exit_code = 2
+
+
+class NoSuchKey(click.ClickException):
+    """The key the command names does not exist (or, to rotate, is not live): exit status 3."""
+
+    exit_code = 3
+
+
+class NothingToDo(click.ClickException):
+    """What the command would do is done already: nothing changed, exit status 4."""
+
+    exit_code = 4
+
+
+def parse_key_id(text: str) -> int:
+    """A KEY_ID argument: a whole number that a key id can be (bigint); BadInput otherwise."""
+    if not text.isdigit() or not 0 < int(text) <= 2**63 - 1:
+        raise BadInput(f"KEY_ID {text!r} is not a key id: expected a whole number such as 12")
+    return int(text)
 
 
 DURATION = re.compile(r"([0-9]{1,9})([dhm])")
@@ -230,32 +254,34 @@ def keys_list() -> None:
 
 
 @keys_group.command("revoke")
-@click.argument("key_id", type=int)
-def keys_revoke(key_id: int) -> None:
+@click.argument("key_text", metavar="KEY_ID")
+def keys_revoke(key_text: str) -> None:
     """Revoke a key now; its next request gets 401."""
+    key_id = parse_key_id(key_text)
     with database() as conn:
         if not keys.revoke_key(conn, key_id):
-            raise click.ClickException(f"no live key with id {key_id}")
+            if keys.find_key(conn, key_id) is None:
+                raise NoSuchKey(f"no key with id {key_id}: nothing revoked")
+            raise NothingToDo(f"key {key_id} is revoked already: nothing to do")
     click.echo(f"revoked key {key_id}")
 
 
 @keys_group.command("rotate")
-@click.argument("key_id")
+@click.argument("key_text", metavar="KEY_ID")
 @click.option(
     "--grace",
     default="24h",
     show_default=True,
     help="How long the old secret keeps working: 24h, 7d, 30m.",
 )
-def keys_rotate(key_id: str, grace: str) -> None:
+def keys_rotate(key_text: str, grace: str) -> None:
     """A new secret for the same key (same id, plan, limits, budgets and bans); printed once."""
-    if not key_id.isdigit() or int(key_id) > 2**63 - 1:
-        raise BadInput(f"no live key with id {key_id}")
+    key_id = parse_key_id(key_text)
     grace_seconds = parse_duration("--grace", grace)
     with database() as conn:
-        rotated = auth.rotate_key(conn, int(key_id), grace_seconds)
+        rotated = auth.rotate_key(conn, key_id, grace_seconds)
     if rotated is None:
-        raise BadInput(f"no live key with id {key_id} (unknown or revoked): nothing rotated")
+        raise NoSuchKey(f"no live key with id {key_id} (unknown or revoked): nothing rotated")
     key, row = rotated
     click.echo(
         f"rotated key {row['id']} ({row['prefix']}..., plan {row['plan']}); the old secret works "
@@ -289,21 +315,41 @@ def bans_list() -> None:
 
 
 @bans_group.command("lift")
-@click.argument("key_id", type=int)
-def bans_lift(key_id: int) -> None:
-    """End the key's active ban now, and clear its strikes: it starts again from a full threshold."""
+@click.argument("key_text", metavar="KEY_ID")
+def bans_lift(key_text: str) -> None:
+    """End the key's active ban now, and clear its strikes: it starts again from a full threshold.
+
+    A key with strikes but no active ban has its strikes forgiven (exit status 0).
+    """
+    key_id = parse_key_id(key_text)
     settings = load_settings()
     with database(settings) as conn:
-        if not bans.lift_bans(conn, key_id):
-            raise click.ClickException(f"key {key_id} has no active ban")
+        if keys.find_key(conn, key_id) is None:
+            raise NoSuchKey(f"no key with id {key_id}: nothing lifted")
+        lifted = bans.lift_bans(conn, key_id)
     try:
-        clear_strikes(settings, key_id)
+        strikes = clear_strikes(settings, key_id)
     except Exception as exc:
+        done = f"lifted the ban of key {key_id}" if lifted else f"key {key_id} has no active ban"
         raise click.ClickException(
-            f"lifted the ban of key {key_id}, but could not clear its strikes in the rate limit "
-            f"storage ({type(exc).__name__}: {exc}); they expire with their window"
+            f"{done}, but its strikes could not be cleared in the rate limit storage "
+            f"({type(exc).__name__}: {exc}); they expire with their window"
         ) from None
-    click.echo(f"lifted the ban of key {key_id} and cleared its strikes")
+    if lifted:
+        click.echo(f"lifted the ban of key {key_id} and cleared its strikes")
+    elif strikes:
+        click.echo(
+            f"key {key_id} has no active ban; cleared its {strikes} "
+            f"strike{'s' if strikes != 1 else ''}: it starts again from a full threshold"
+        )
+    elif settings["RATELIMIT_STORAGE_URI"].startswith("memory://"):
+        raise NothingToDo(
+            f"key {key_id} has no active ban; its strikes, if any, are counted in the service's "
+            "own memory (RATELIMIT_STORAGE_URI=memory://), out of this command's reach, and "
+            "expire with their window: nothing to do"
+        )
+    else:
+        raise NothingToDo(f"key {key_id} has no active ban and no strikes: nothing to do")
 
 
 @main.command("serve")

@@ -6,6 +6,7 @@ import calendar
 import email.utils
 import os
 from collections.abc import Callable, Mapping
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,6 +14,8 @@ import psycopg
 from limits import parse_many
 from limits.strategies import STRATEGIES
 from psycopg import conninfo
+
+IPNetwork = IPv4Network | IPv6Network
 
 
 class ConfigError(ValueError):
@@ -53,6 +56,16 @@ def _instant(text: str) -> int:
     if parsed is None:
         raise ValueError("expected unix seconds or an HTTP date")
     return int(email.utils.mktime_tz(parsed))
+
+
+def _networks(text: str) -> tuple[IPNetwork, ...]:
+    """Comma-separated networks in CIDR notation (an address alone is a network of one)."""
+    try:
+        return tuple(ip_network(part.strip()) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(
+            "expected networks in CIDR notation, comma-separated, such as 10.0.0.0/8,::1"
+        ) from None
 
 
 def _str(text: str) -> str:
@@ -161,9 +174,10 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_DEPRECATED_AT": ("DEPRECATED_AT", _instant, calendar.timegm((2026, 11, 26, 0, 0, 0))),
     "PETSTORE_SUNSET": ("SUNSET", _instant, calendar.timegm((2030, 12, 5, 0, 0, 0))),
     "PETSTORE_PROXY_COUNT": ("PROXY_COUNT", _int(0), 0),
-    # Unset: the document names the server it was fetched from (petstore.views.docs).
+    # Unset: the document's server is the relative /v1 (petstore.openapi.servers), never a Host.
     "PETSTORE_BASE_URL": ("PUBLIC_BASE_URL", _http_url, None),
-    "PETSTORE_STAGING_BASE_URL": ("STAGING_BASE_URL", _http_url, "http://127.0.0.1:8001/v1"),
+    # Unset: the document names no staging server.
+    "PETSTORE_STAGING_BASE_URL": ("STAGING_BASE_URL", _http_url, None),
     "RATELIMIT_STORAGE_URI": ("RATELIMIT_STORAGE_URI", _storage_uri, "memory://"),
     "PETSTORE_RATELIMIT_STRATEGY": ("RATELIMIT_STRATEGY", _strategy, "fixed-window"),
     "PETSTORE_IP_LIMITS": ("IP_LIMITS", _limits, "60/minute;1000/day"),
@@ -178,6 +192,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_REDIS_TIMEOUT": ("REDIS_TIMEOUT", _float(0.01), 0.25),
     # Read by wsgi.py and deploy/gunicorn.conf.py for logging; checked here with the rest.
     "PETSTORE_LOG_LEVEL": ("LOG_LEVEL", _log_level, "INFO"),
+    # Unset: /metrics answers whoever reaches the app's port (petstore.views.metrics).
+    "PETSTORE_METRICS_ALLOW": ("METRICS_ALLOW", _networks, None),
     # prometheus_client's own name: it reads the environment when imported (petstore.metrics).
     "PROMETHEUS_MULTIPROC_DIR": ("METRICS_DIR", _str, None),
 }

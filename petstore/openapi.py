@@ -305,31 +305,32 @@ def deprecated_error(status: int, description: str) -> dict[str, Any]:
     return response
 
 
-# The first server when neither PETSTORE_BASE_URL nor a request says otherwise: `make run`'s.
-DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+# The first server without PETSTORE_BASE_URL: relative, so it resolves against wherever the
+# document was fetched from (OpenAPI 3.0.3, Server Object), with no Host header involved.
+RELATIVE_BASE_URL = "/v1"
 
 
-def servers(config: Mapping[str, Any], base_url: str | None = None) -> list[dict[str, str]]:
-    """PETSTORE_BASE_URL when set, else `base_url` (where the document was fetched from); staging after."""
+def servers(config: Mapping[str, Any]) -> list[dict[str, str]]:
+    """From configuration only: PETSTORE_BASE_URL or "/v1"; staging after, when it is set."""
     if config.get("PUBLIC_BASE_URL"):
-        first = {"url": config["PUBLIC_BASE_URL"], "description": "Production"}
+        found = [{"url": config["PUBLIC_BASE_URL"], "description": "Production"}]
     else:
-        first = {"url": base_url or DEFAULT_BASE_URL, "description": "This server"}
-    return [first, {"url": config["STAGING_BASE_URL"], "description": "Staging"}]
+        found = [{"url": RELATIVE_BASE_URL, "description": "This server"}]
+    if config.get("STAGING_BASE_URL"):
+        found.append({"url": config["STAGING_BASE_URL"], "description": "Staging"})
+    return found
 
 
-def build_document(
-    config: Mapping[str, Any], descriptions: Iterable[Described], base_url: str | None = None
-) -> dict[str, Any]:
+def build_document(config: Mapping[str, Any], descriptions: Iterable[Described]) -> dict[str, Any]:
     """The OpenAPI document for an app with this configuration and these operations
-    (petstore.views.described()), first server as servers() says."""
+    (petstore.views.described()): the same whoever asks."""
     spec = APISpec(
         title="Animal Store",
         version=API_VERSION,
         openapi_version=OPENAPI_VERSION,
         plugins=[MarshmallowPlugin()],
         info={"description": description()},
-        servers=servers(config, base_url),
+        servers=servers(config),
         security=[{SECURITY_SCHEME: []}],
         tags=[
             {"name": "pets", "description": "The animals of the catalogue."},

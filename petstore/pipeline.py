@@ -10,7 +10,8 @@ around a view.
 - refuse banned (bans): a banned key gets 429 api_key_banned and spends nothing.
 - require a key (auth): the 401 found by identify (unknown, revoked or expired key).
 - require a scope (auth): 403 insufficient_scope when the key lacks the scope its view
-  declares (auth.needs_scope; read by default). After counting, so the 403 spends budget.
+  declares (auth.needs_scope), else its method's: read for GET and HEAD, write for any other.
+  After counting, so the 403 spends budget.
 - view: parses with a schema, runs one query function.
 - headers (budgets): X-RateLimit-* on every counted /v1 answer, errors included.
 - log (logs): the request id header and one JSON line; metrics (metrics): the request tallied

@@ -101,6 +101,19 @@ def list_keys(conn: Connection) -> list[dict[str, Any]]:
     ).fetchall()
 
 
+def find_key(conn: Connection, key_id: int) -> dict[str, Any] | None:
+    """The key with this id, live or revoked (id, revoked_at); None when there is none."""
+    return conn.execute(
+        """
+        select id,
+               revoked_at
+          from api_keys
+         where id = %(key_id)s
+        """,
+        {"key_id": key_id},
+    ).fetchone()
+
+
 def revoke_key(conn: Connection, key_id: int) -> bool:
     """Revoke a live key now; False when there is no such live key."""
     cur = conn.execute(

@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from flask import current_app, g
 from limits import RateLimitItem
@@ -114,10 +114,13 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
     )
 
 
-def clear_strikes(settings: dict[str, Any], key_id: int) -> None:
-    """Forget the key's strikes in the limiter storage of `settings` (the service's own)."""
+def clear_strikes(settings: dict[str, Any], key_id: int) -> int:
+    """Forget the key's strikes in the limiter storage of `settings` (the service's own); how many."""
     storage = storage_from_string(
         storages.storage_uri(settings["RATELIMIT_STORAGE_URI"]),
         **storages.storage_options(settings),
     )
-    storage.clear(strike_key(settings, key_id))
+    strikes_at = strike_key(settings, key_id)
+    strikes = int(cast(int, storage.get(strikes_at)))  # a sync storage: never a coroutine
+    storage.clear(strikes_at)
+    return strikes

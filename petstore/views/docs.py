@@ -1,17 +1,16 @@
 """The API description, no key needed: /v1/openapi.json and a Swagger UI page at /v1/docs.
 
-Without PETSTORE_BASE_URL the document's first server is the one it was fetched from, so that
-Swagger UI's "Try it out" calls this server, on any port and behind a proxy (with
-PETSTORE_PROXY_COUNT, the address the client used).
+The document is the same bytes for every request, and as `petstore openapi` prints them: its
+servers come from the settings only, never from a Host or forwarding header (a cache in front
+would keep a poisoned one). Without PETSTORE_BASE_URL its server is the relative /v1, which
+Swagger UI resolves against the page's own address, so "Try it out" calls this server.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from importlib import metadata, resources
 from pathlib import Path
-from typing import Any
 
 from flask import (
     Blueprint,
@@ -19,7 +18,6 @@ from flask import (
     abort,
     current_app,
     redirect,
-    request,
     send_from_directory,
     url_for,
 )
@@ -28,7 +26,6 @@ from markupsafe import escape
 
 from petstore import openapi
 from petstore.auth import public
-from petstore.web import API_PREFIX
 
 bp = Blueprint("docs", __name__)
 
@@ -38,8 +35,6 @@ ASSETS_DISTRIBUTION = "flask-swagger-ui"
 ASSETS = frozenset(("swagger-ui.css", "swagger-ui-bundle.js", "favicon-32x32.png"))
 ASSET_MAX_AGE = 86400
 EXTENSION = "petstore.openapi_json"
-# The Host header is the client's to choose: keep the JSON of this many base URLs, no more.
-MAX_CACHED_BASES = 16
 
 PAGE = """<!DOCTYPE html>
 <html lang="en">
@@ -71,44 +66,21 @@ def assets_dir() -> Path:
     return Path(str(resources.files(ASSETS_PACKAGE).joinpath("dist")))
 
 
-class Documents:
-    """The document, built once per app; its JSON per first server, since that follows the request."""
-
-    def __init__(self, document: dict[str, Any], config: Mapping[str, Any]) -> None:
-        self.document = document
-        self.config = config
-        self.texts: dict[str, str] = {}
-
-    def text_for(self, base_url: str) -> str:
-        """The JSON of the document as fetched from `base_url` (ignored when PETSTORE_BASE_URL is set)."""
-        if self.config.get("PUBLIC_BASE_URL"):
-            base_url = ""
-        text = self.texts.get(base_url)
-        if text is None:
-            document = {**self.document, "servers": openapi.servers(self.config, base_url)}
-            text = openapi.to_json(document)
-            if len(self.texts) >= MAX_CACHED_BASES:
-                self.texts.clear()
-            self.texts[base_url] = text
-        return text
-
-
 @bp.record_once
 def store_document(state: BlueprintSetupState) -> None:
-    """Build the document once per app, when the blueprint is registered with the operations it
-    describes (`descriptions=petstore.views.described()`, see create_app)."""
-    config = state.app.config
-    document = openapi.build_document(config, state.options["descriptions"])
-    state.app.extensions[EXTENSION] = Documents(document, config)
+    """Build the document's JSON once per app, when the blueprint is registered with the operations
+    it describes (`descriptions=petstore.views.described()`, see create_app)."""
+    document = openapi.build_document(state.app.config, state.options["descriptions"])
+    state.app.extensions[EXTENSION] = openapi.to_json(document)
 
 
 @bp.get("/openapi.json")
 @public
 def openapi_json() -> Response:
-    """The OpenAPI document of this API, its first server the one it was fetched from."""
-    documents: Documents = current_app.extensions[EXTENSION]
-    text = documents.text_for(request.root_url.rstrip("/") + API_PREFIX)
-    return current_app.response_class(text, mimetype="application/json")
+    """The OpenAPI document of this API."""
+    return current_app.response_class(
+        current_app.extensions[EXTENSION], mimetype="application/json"
+    )
 
 
 @bp.get("/docs")

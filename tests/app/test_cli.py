@@ -214,8 +214,8 @@ def test_keys_revoke_makes_the_key_401_and_cannot_be_repeated(
 
     again = cli("keys", "revoke", str(key_id))
 
-    assert again.exit_code != 0
-    assert str(key_id) in again.output
+    assert again.exit_code == 4  # nothing to do
+    assert again.stderr == f"Error: key {key_id} is revoked already: nothing to do\n"
     assert key_row(conn, key)["revoked_at"] == revoked_at
 
 
@@ -233,12 +233,42 @@ def test_keys_revoke_leaves_other_keys_alone(
 
 @pytest.mark.parametrize(
     ("key_id", "exit_code"),
-    [pytest.param("999", 1, id="unknown-id"), pytest.param("abc", 2, id="not-a-number")],
+    [
+        pytest.param("999", 3, id="unknown-id"),
+        pytest.param("abc", 2, id="not-a-number"),
+        pytest.param("0", 2, id="zero"),
+        pytest.param(str(2**63), 2, id="beyond-bigint"),
+    ],
 )
 def test_keys_revoke_of_no_such_key_fails(cli: Cli, key_id: str, exit_code: int) -> None:
     result = cli("keys", "revoke", key_id)
 
     assert result.exit_code == exit_code, result.output
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["keys", "revoke"], ["keys", "rotate"], ["bans", "lift"]],
+    ids=lambda command: " ".join(command),
+)
+@pytest.mark.parametrize(
+    ("key_id", "exit_code", "words"),
+    [
+        pytest.param("abc", 2, "is not a key id", id="usage-error"),
+        pytest.param("0", 2, "is not a key id", id="zero"),
+        pytest.param("99", 3, "no ", id="no-such-key"),
+    ],
+)
+def test_commands_on_a_key_share_their_exit_statuses(
+    cli: Cli, command: list[str], key_id: str, exit_code: int, words: str
+) -> None:
+    """One status per kind of outcome, whichever command: usage error 2, no such key 3."""
+    result = cli(*command, key_id)
+
+    assert result.exit_code == exit_code, result.output
+    assert result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert words in result.stderr
 
 
 # configuration errors

@@ -3,6 +3,7 @@ one refused in one line naming the setting and what it accepts."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 import pytest
@@ -92,7 +93,7 @@ TABLE: dict[str, tuple[Any, str, Any, str | None]] = {
         "/v1",
     ),
     "PETSTORE_STAGING_BASE_URL": (
-        "http://127.0.0.1:8001/v1",
+        None,
         "http://staging.test/v1",
         "http://staging.test/v1",
         "staging.test",
@@ -113,6 +114,12 @@ TABLE: dict[str, tuple[Any, str, Any, str | None]] = {
     "PETSTORE_BAN_REPEAT_SECONDS": (86_400, "0", 0, "-1"),
     "PETSTORE_REDIS_TIMEOUT": (0.25, "1", 1.0, "0.001"),
     "PETSTORE_LOG_LEVEL": ("INFO", "debug", "DEBUG", "TRACE"),
+    "PETSTORE_METRICS_ALLOW": (
+        None,
+        "10.0.0.0/8,::1",
+        (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::1")),
+        "10.0.0.0/33",
+    ),
     "PROMETHEUS_MULTIPROC_DIR": (None, "/run/petstore-metrics", "/run/petstore-metrics", None),
 }
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import io
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from flask import Flask
 from flask.testing import FlaskClient
 from gunicorn.http import errors as http_errors
 
@@ -122,3 +125,58 @@ def test_a_body_that_cannot_be_read_is_a_400(
         assert "chunked encoding is broken" in body["message"]
     assert count_pets(conn) == 0
     assert not [record for record in caplog.records if record.exc_info], caplog.text
+
+
+# A Host and every forwarding header a client may send, naming a host of the attacker's.
+EVIL = "evil.example"
+CLIENT_CHOSEN_HOST = {
+    "Host": EVIL,
+    "X-Forwarded-Host": EVIL,
+    "X-Forwarded-Proto": "https",
+    "X-Forwarded-Prefix": "/evil.example",
+    "X-Forwarded-Server": EVIL,
+    "Forwarded": f"host={EVIL};proto=https",
+}
+
+
+@pytest.mark.parametrize("proxy_count", [0, 1])
+def test_a_client_chosen_host_reaches_no_answer_and_no_log(
+    make_app: Callable[..., Flask],
+    issue_key: Callable[..., str],
+    caplog: pytest.LogCaptureFixture,
+    proxy_count: int,
+) -> None:
+    """Location, Link, the docs page, the document, errors and log lines stay relative or configured."""
+    client = make_app(PROXY_COUNT=proxy_count).test_client()
+    key = {"Authorization": f"Bearer {issue_key('enterprise', per_minute=100, per_day=1000)}"}
+    headers = {**key, **CLIENT_CHOSEN_HOST}
+    for _ in range(2):
+        client.post("/v1/pets", data=PET, content_type="application/json", headers=key)
+    caplog.set_level(logging.DEBUG)
+
+    answers = {
+        "created": client.post(
+            "/v1/pets", data=PET, content_type="application/json", headers=headers
+        ),
+        "full page": client.get("/v1/pets?limit=1", headers=headers),
+        "deprecated": client.get("/v1/pets/1", headers=headers),
+        "root": client.get("/", headers=headers),
+        "docs": client.get("/v1/docs", headers=headers),
+        "docs slash": client.get("/v1/docs/", headers=headers),
+        "document": client.get("/v1/openapi.json", headers=headers),
+        "unknown": client.get("/v1/nowhere", headers=headers),
+        "method": client.delete("/v1/pets", headers=headers),
+        "no key": client.get("/v1/pets", headers=CLIENT_CHOSEN_HOST),
+    }
+
+    assert answers["created"].status_code == 201
+    assert answers["created"].headers["Location"] == "/v1/pets/3"
+    assert answers["full page"].headers["Link"] == '</v1/pets?limit=1&after=1>; rel="next"'
+    assert answers["deprecated"].headers["Link"] == '</v1/pets>; rel="successor-version"'
+    assert answers["docs slash"].headers["Location"] == "/v1/docs"
+    for name, answer in answers.items():
+        shown = str(answer.headers) + answer.get_data(as_text=True)
+        assert EVIL not in shown, name
+    logged = [str(vars(record)) for record in caplog.records]
+    assert len(logged) >= len(answers)
+    assert not [line for line in logged if EVIL in line]

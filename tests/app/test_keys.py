@@ -15,6 +15,7 @@ from flask.testing import FlaskClient
 
 from conftest import count_pets
 from petstore import db
+from petstore.auth import needs_scope
 from petstore.cli import main
 from support.checks import assert_error
 
@@ -59,8 +60,8 @@ def table(conn: db.Connection) -> list[dict[str, object]]:
     return conn.execute("select * from api_keys order by id").fetchall()
 
 
-def assert_one_line_refusal(result: Result, *words: str) -> None:
-    assert result.exit_code == 2, result.output
+def assert_one_line_refusal(result: Result, *words: str, exit_code: int = 2) -> None:
+    assert result.exit_code == exit_code, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1, result.output
     for word in words:
@@ -195,6 +196,50 @@ def test_the_403_spends_budget_like_any_answer(cli: Cli, client: FlaskClient) ->
     assert int(second.headers["X-RateLimit-Remaining"]) == 58
 
 
+def throwaway_app(make_app: Callable[..., Flask]) -> Flask:
+    """The app with views no operation has: unmarked POST and GET ones, and a POST lowered to read."""
+    app = make_app()
+
+    def unmarked() -> tuple[str, int]:
+        return "", 204
+
+    def lowered() -> tuple[str, int]:
+        return "", 204
+
+    app.add_url_rule("/v1/_throwaway", "throwaway", unmarked, methods=["GET", "POST", "DELETE"])
+    app.add_url_rule(
+        "/v1/_throwaway_read", "throwaway_read", needs_scope("read")(lowered), methods=["POST"]
+    )
+    return app
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        pytest.param("POST", "/v1/_throwaway", 403, id="unmarked-post-needs-write"),
+        pytest.param("DELETE", "/v1/_throwaway", 403, id="unmarked-delete-needs-write"),
+        pytest.param("GET", "/v1/_throwaway", 204, id="unmarked-get-needs-read"),
+        pytest.param("HEAD", "/v1/_throwaway", 204, id="unmarked-head-needs-read"),
+        pytest.param("POST", "/v1/_throwaway_read", 204, id="post-lowered-to-read"),
+    ],
+)
+def test_a_view_without_a_mark_needs_the_scope_of_its_method(
+    make_app: Callable[..., Flask], cli: Cli, method: str, path: str, status: int
+) -> None:
+    """A new write view that forgets needs_scope("write") still refuses read-only keys."""
+    read = printed_key(cli("keys", "create", "--plan", "free", "--scope", "read"))
+    both = printed_key(cli("keys", "create", "--plan", "free"))
+    client = throwaway_app(make_app).test_client()
+
+    answer = client.open(path, method=method, headers=bearer(read))
+    assert client.open(path, method=method, headers=bearer(both)).status_code == 204
+
+    assert answer.status_code == status
+    if status == 403:
+        assert_error(answer, 403, "insufficient_scope")
+        assert answer.headers.get_all("WWW-Authenticate") == [INSUFFICIENT_SCOPE]
+
+
 def test_default_scopes_are_read_and_write(cli: Cli, conn: db.Connection) -> None:
     printed_key(cli("keys", "create", "--plan", "free"))
     printed_key(cli("keys", "create", "--plan", "free", "--scope", "write", "--scope", "read"))
@@ -276,18 +321,19 @@ def test_rotating_twice_keeps_only_the_last_previous_secret(
 
 
 @pytest.mark.parametrize(
-    ("target", "args", "words"),
+    ("target", "args", "words", "exit_code"),
     [
-        pytest.param("unknown", [], ["no live key"], id="unknown"),
-        pytest.param("revoked", [], ["no live key"], id="revoked"),
-        pytest.param("not-a-number", [], ["no live key"], id="not-a-number"),
-        pytest.param("live", ["--grace", "0h"], ["--grace"], id="zero-grace"),
-        pytest.param("live", ["--grace", "a while"], ["--grace"], id="bad-grace"),
+        pytest.param("unknown", [], ["no live key"], 3, id="unknown"),
+        pytest.param("revoked", [], ["no live key"], 3, id="revoked"),
+        pytest.param("not-a-number", [], ["is not a key id"], 2, id="not-a-number"),
+        pytest.param("live", ["--grace", "0h"], ["--grace"], 2, id="zero-grace"),
+        pytest.param("live", ["--grace", "a while"], ["--grace"], 2, id="bad-grace"),
     ],
 )
-def test_bad_rotations_are_one_line_exit_2_and_change_nothing(
-    cli: Cli, conn: db.Connection, target: str, args: list[str], words: list[str]
+def test_bad_rotations_are_one_line_and_change_nothing(
+    cli: Cli, conn: db.Connection, target: str, args: list[str], words: list[str], exit_code: int
 ) -> None:
+    """A usage error exits 2, no such (live) key 3, as for every command on a key."""
     live = printed_key(cli("keys", "create", "--plan", "free"))
     revoked = printed_key(cli("keys", "create", "--plan", "free"))
     assert cli("keys", "revoke", str(key_id(conn, revoked))).exit_code == 0
@@ -301,5 +347,5 @@ def test_bad_rotations_are_one_line_exit_2_and_change_nothing(
 
     result = cli("keys", "rotate", ids[target], *args)
 
-    assert_one_line_refusal(result, *words)
+    assert_one_line_refusal(result, *words, exit_code=exit_code)
     assert table(conn) == before

@@ -16,7 +16,7 @@ from flask.testing import FlaskClient
 from prometheus_client import Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from petstore import create_app, metrics, openapi, views
+from petstore import config, create_app, metrics, openapi, views
 from petstore.config import ConfigError
 from petstore.db import get_conn
 from support.checks import assert_error
@@ -289,3 +289,51 @@ def value_of(counter: Counter, **labels: str) -> float:
         for sample in family.samples
         if sample.labels == labels and sample.name.endswith("_total")
     )
+
+
+@pytest.mark.parametrize(
+    ("peer", "forwarded_for", "status"),
+    [
+        pytest.param("10.1.2.3", None, 200, id="allowed-network"),
+        pytest.param("127.0.0.1", None, 200, id="allowed-address"),
+        pytest.param("::ffff:10.9.9.9", None, 200, id="ipv4-mapped"),
+        pytest.param("fd00::5", None, 200, id="allowed-ipv6"),
+        pytest.param("192.0.2.7", None, 404, id="other-network"),
+        pytest.param("2001:db8::1", None, 404, id="other-ipv6"),
+        # Behind PETSTORE_PROXY_COUNT the header names the client; the peer decides here.
+        pytest.param("192.0.2.7", "10.1.2.3", 404, id="forged-forwarded-for"),
+    ],
+)
+def test_metrics_allow_list_answers_others_404(
+    make_app: Callable[..., Flask], peer: str, forwarded_for: str | None, status: int
+) -> None:
+    client = make_app(
+        METRICS_ALLOW=config.from_environ(
+            {"PETSTORE_METRICS_ALLOW": "10.0.0.0/8, 127.0.0.1,fd00::/8"}
+        )["METRICS_ALLOW"],
+        PROXY_COUNT=1,
+    ).test_client()
+    headers = {"X-Forwarded-For": forwarded_for} if forwarded_for else {}
+
+    response = client.get("/metrics", headers=headers, environ_base={"REMOTE_ADDR": peer})
+
+    if status == 404:
+        assert_error(response, 404, "not_found")
+        assert "petstore_" not in response.get_data(as_text=True)
+    else:
+        assert response.status_code == 200
+        assert "petstore_http_requests_total" in response.get_data(as_text=True)
+
+
+def test_metrics_without_allow_list_answer_anyone(make_app: Callable[..., Flask]) -> None:
+    """The default: whoever reaches the app's port scrapes (nginx refuses /metrics itself)."""
+    client = make_app().test_client()
+    for peer in ("192.0.2.7", "2001:db8::1", "10.1.2.3"):
+        response = client.get("/metrics", environ_base={"REMOTE_ADDR": peer})
+        assert response.status_code == 200, peer
+
+
+@pytest.mark.parametrize("text", ["10.0.0.0/33", "localhost", "10.0.0.1/8"])
+def test_metrics_allow_list_refuses_what_is_no_network(text: str) -> None:
+    with pytest.raises(ConfigError, match="PETSTORE_METRICS_ALLOW=.*CIDR"):
+        config.from_environ({"PETSTORE_METRICS_ALLOW": text})

@@ -106,6 +106,8 @@ def test_key_queries_commit_nothing(tx: db.Connection, conn: db.Connection) -> N
     assert rotated is not None and rotated["id"] == key["id"]
     assert still_open(tx, key_sql.find_key_by_hash, tx, new_digest)["id"] == key["id"]
     assert still_open(tx, key_sql.revoke_key, tx, key["id"]) is True
+    assert still_open(tx, key_sql.find_key, tx, key["id"])["revoked_at"] is not None
+    assert still_open(tx, key_sql.find_key, tx, key["id"] + 1000) is None
     assert still_open(tx, key_sql.revoke_keys_labelled, tx, "other") == 1
 
     tx.rollback()

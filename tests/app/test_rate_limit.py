@@ -180,6 +180,34 @@ def test_429s_without_a_key_carry_no_ban_warning(make_app: Callable[..., Flask])
     assert body["message"] == "Rate limit exceeded: 1 per minute."
 
 
+def test_bans_lift_forgives_the_strikes_of_a_key_without_a_ban(
+    make_app: Callable[..., Flask],
+    issue_key: Callable[..., str],
+    redis_url: str,
+    database_url: str,
+) -> None:
+    """Two refusals, `bans lift`, one more refusal: rate_limited, not api_key_banned."""
+    client = make_app(RATELIMIT_STORAGE_URI=redis_url, BAN_THRESHOLD=3).test_client()
+    key = issue_key("enterprise", per_minute=1, per_day=500)
+    for _ in range(3):
+        client.get("/v1/pets", headers=bearer(key))  # 1 answer, 2 refusals: 2 strikes, no ban
+    assert standing(client, key)["strikes"]["count"] == 2
+    environ = {"DATABASE_URL": database_url, "RATELIMIT_STORAGE_URI": redis_url}
+
+    lifted = CliRunner().invoke(main, ["bans", "lift", "1"], env=environ)
+    again = CliRunner().invoke(main, ["bans", "lift", "1"], env=environ)
+
+    assert lifted.exit_code == 0, lifted.output
+    assert lifted.output == (
+        "key 1 has no active ban; cleared its 2 strikes: it starts again from a full threshold\n"
+    )
+    assert standing(client, key)["strikes"]["count"] == 0
+    assert_error(client.get("/v1/pets", headers=bearer(key)), 429, "rate_limited")
+    assert standing(client, key) == {**standing(client, key), "ban": None}
+    assert again.exit_code == 4, again.output
+    assert again.stderr == "Error: key 1 has no active ban and no strikes: nothing to do\n"
+
+
 def test_bans_lift_clears_the_strikes(
     make_app: Callable[..., Flask],
     issue_key: Callable[..., str],

@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -18,7 +19,14 @@ from typing import Any
 
 import pytest
 
-from support.servers import LOOPBACK, Gunicorn, ServerFailed, ServerProcess, poll_until
+from support.servers import (
+    LOOPBACK,
+    Gunicorn,
+    ServerFailed,
+    ServerProcess,
+    free_port,
+    poll_until,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE_CONF = ROOT / "deploy" / "nginx" / "petstore.conf"
@@ -29,6 +37,9 @@ INSTALL_HINT = "run .ci/install-nginx (Debian's nginx package)"
 UPSTREAM_BLOCK = re.compile(r"(upstream petstore \{\n)(.*?)(\n\})", re.S)
 UPSTREAM_SERVER = re.compile(r"^(\s*)server\s+\S+(.*;)$", re.M)
 LISTEN = re.compile(r"^(\s*)listen\s+80;$", re.M)
+TLS_LISTEN = re.compile(r"^(\s*)listen\s+443\s+ssl\s+http2;$", re.M)
+CERTIFICATE = re.compile(r"^(\s*)ssl_certificate\s+/etc/petstore/tls/fullchain\.pem;$", re.M)
+CERTIFICATE_KEY = re.compile(r"^(\s*)ssl_certificate_key\s+/etc/petstore/tls/privkey\.pem;$", re.M)
 ACCESS_LOG = re.compile(r"^(\s*)access_log\s+/\S+\s+petstore_json;$", re.M)
 
 
@@ -40,8 +51,63 @@ def nginx_binary() -> str:
     return found
 
 
-def render_site(upstreams: Sequence[str], listen: str, access_log: Path) -> str:
-    """deploy/nginx/petstore.conf with these upstream addresses, listen address and access log."""
+@dataclass(frozen=True)
+class Certificate:
+    """A test CA and a certificate it signed for the loopback address and localhost."""
+
+    ca: Path
+    fullchain: Path
+    privkey: Path
+
+    def context(self) -> ssl.SSLContext:
+        """A client's TLS context that trusts this CA only."""
+        return ssl.create_default_context(cafile=str(self.ca))
+
+
+def make_certificate(
+    directory: Path, hosts: Sequence[str] = (LOOPBACK, "localhost")
+) -> Certificate:
+    """A throwaway CA and a server certificate it signs (P-256, one day), made with openssl."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed: run .ci/install-nginx")
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, request, cert = (
+        directory / name for name in ("ca.key", "ca.pem", "privkey.pem", "server.csr", "cert.pem")
+    )
+    names = ",".join(f"IP:{host}" if host[0].isdigit() else f"DNS:{host}" for host in hosts)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    steps = [
+        [openssl, "req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "1",
+         "-subj", "/CN=petstore test CA"],
+        [openssl, "req", *ec, "-keyout", key, "-out", request, "-subj", f"/CN={hosts[0]}"],
+        [openssl, "x509", "-req", "-in", request, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+         "-out", cert, "-days", "1", "-extfile", "/dev/stdin"],
+    ]  # fmt: skip
+    extensions = f"subjectAltName={names}\nextendedKeyUsage=serverAuth\n"
+    for step in steps:
+        subprocess.run(
+            [str(part) for part in step],
+            input=extensions if step is steps[-1] else "",
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
+    fullchain = directory / "fullchain.pem"
+    fullchain.write_text(cert.read_text() + ca.read_text())
+    return Certificate(ca, fullchain, key)
+
+
+def render_site(
+    upstreams: Sequence[str],
+    listen: str,
+    access_log: Path,
+    tls_listen: str,
+    certificate: Certificate,
+) -> str:
+    """deploy/nginx/petstore.conf with these upstream addresses, listen addresses (plain and
+    HTTPS), certificate and access log."""
     text = SITE_CONF.read_text(encoding="utf-8")
     block = UPSTREAM_BLOCK.search(text)
     assert block, f"no `upstream petstore {{...}}` block in {SITE_CONF}"
@@ -56,6 +122,13 @@ def render_site(upstreams: Sequence[str], listen: str, access_log: Path) -> str:
     text = text[: block.start(2)] + body + text[block.end(2) :]
     text, listens = LISTEN.subn(rf"\g<1>listen {listen};", text)
     assert listens == 1, f"expected one `listen 80;` in {SITE_CONF}"
+    for pattern, line in (
+        (TLS_LISTEN, f"listen {tls_listen} ssl http2;"),
+        (CERTIFICATE, f"ssl_certificate {certificate.fullchain};"),
+        (CERTIFICATE_KEY, f"ssl_certificate_key {certificate.privkey};"),
+    ):
+        text, found = pattern.subn(rf"\g<1>{line}", text)
+        assert found == 1, f"expected one line like `{line.split()[0]} ...` in {SITE_CONF}"
     text, logs = ACCESS_LOG.subn(rf"\g<1>access_log {access_log} petstore_json;", text)
     assert logs == 1, f"expected one `access_log /... petstore_json;` in {SITE_CONF}"
     return text
@@ -113,6 +186,10 @@ class Nginx(ServerProcess):
         self.host = host
         self.netns = netns
         self.url = f"http://{host}:{self.port}"
+        # The HTTPS listener, with HTTP/2, and its certificate (made when the config is written).
+        self.tls_port = free_port()
+        self.tls_url = f"https://{host}:{self.tls_port}"
+        self.certificate: Certificate | None = None
         self.access_log_path = prefix / "access.log"
         self.error_log_path = self.log_path
 
@@ -120,8 +197,16 @@ class Nginx(ServerProcess):
         """Render the site and the main config into the prefix; the main config's path."""
         (self.prefix / "temp").mkdir(parents=True, exist_ok=True)
         site = self.prefix / "petstore.conf"
+        if self.certificate is None:
+            self.certificate = make_certificate(self.prefix / "tls", (self.host, "localhost"))
         site.write_text(
-            render_site(self.upstreams, f"{self.host}:{self.port}", self.access_log_path),
+            render_site(
+                self.upstreams,
+                f"{self.host}:{self.port}",
+                self.access_log_path,
+                f"{self.host}:{self.tls_port}",
+                self.certificate,
+            ),
             encoding="utf-8",
         )
         main = self.prefix / "nginx.conf"

@@ -23,7 +23,8 @@ ENVIRON = {"PETSTORE_PROXY_COUNT": "1", "RATELIMIT_STORAGE_URI": "memory://"}
 # The limits both layers share (README.rst, "Deploying behind nginx").
 MAX_REQUEST_LINE = 8190
 MAX_HEADER_FIELDS = 100
-LAYERS = ["nginx", "gunicorn"]
+# nginx over plain HTTP and over HTTPS (HTTP/1.1 in TLS; HTTP/2 is tests/system/test_tls.py's).
+LAYERS = ["nginx", "nginx-https", "gunicorn"]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,8 @@ def layer(request: pytest.FixtureRequest, deployment: Deployment, conn: db.Conne
     """The base URL of the layer the client talks to: nginx, or gunicorn straight (empty tables)."""
     if request.param == "nginx":
         return deployment.url
+    if request.param == "nginx-https":
+        return deployment.nginx.tls_url
     return f"http://{deployment.instances[0].address}"
 
 
@@ -186,13 +189,18 @@ class RecordingServer(SilentServer):
             )
 
 
-def test_nginx_passes_only_its_own_forwarding_headers(tmp_path: Path) -> None:
-    """What the app receives: nginx's X-Forwarded-For/-Proto/-Host, none of the client's others."""
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_nginx_passes_only_its_own_forwarding_headers(tmp_path: Path, scheme: str) -> None:
+    """What the app receives: nginx's X-Forwarded-For/-Proto/-Host, none of the client's others.
+
+    Over HTTPS the app is told "https", whatever the client claims.
+    """
     with (
         RecordingServer() as upstream,
         Nginx([upstream.address], tmp_path / "nginx", workers=1) as proxy,
     ):
-        answer = raw(proxy.url, head("GET /v1/pets HTTP/1.1", "ps_x", *CLIENT_FORWARDING))
+        url = proxy.tls_url if scheme == "https" else proxy.url
+        answer = raw(url, head("GET /v1/pets HTTP/1.1", "ps_x", *CLIENT_FORWARDING))
         assert answer.status == 200, answer
         [received] = upstream.heads
     lines = received.decode("latin-1").split("\r\n")[1:]
@@ -204,7 +212,7 @@ def test_nginx_passes_only_its_own_forwarding_headers(tmp_path: Path) -> None:
     }
     assert forwarding == {
         "x-forwarded-for": "127.0.0.1",
-        "x-forwarded-proto": "http",
+        "x-forwarded-proto": scheme,
         "x-forwarded-host": "petstore.test",
     }, received
 
