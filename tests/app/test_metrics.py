@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from petstore import create_app, metrics, openapi
 from petstore.config import ConfigError
 from petstore.db import get_conn
-from support.checks import assert_error
-from support.servers import LOOPBACK, free_port, poll_until
+from tests.support.checks import assert_error
+from tests.support.servers import LOOPBACK, free_port, poll_until
 
 IN_USE = "petstore_db_pool_connections_in_use"
 Scrape = dict[tuple[str, frozenset[tuple[str, str]]], float]

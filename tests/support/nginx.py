@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from support.servers import LOOPBACK, Gunicorn, ServerFailed, ServerProcess, poll_until
+from tests.support.servers import LOOPBACK, Gunicorn, ServerFailed, ServerProcess, poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE_CONF = ROOT / "deploy" / "nginx" / "petstore.conf"

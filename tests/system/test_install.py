@@ -21,7 +21,7 @@ import psycopg
 import pytest
 from psycopg import conninfo, sql
 
-from support.servers import LOOPBACK, ROOT, free_port
+from tests.support.servers import LOOPBACK, ROOT, free_port
 
 SCRIPT = ROOT / "deploy" / "install.sh"
 
