@@ -43,6 +43,17 @@ class Table:
         """The URL path of the deep page."""
         return f"/v1/pets?limit={PAGE_LIMIT}&after={self.cursor}"
 
+    @property
+    def sample_paths(self) -> tuple[str, ...]:
+        """The requests whose answers the floors must give as the service does."""
+        return (
+            "/v1/pets?limit=20",
+            "/v1/pets?limit=100&status=available",
+            self.deep_path,
+            f"/v1/pets/{self.min_id}",
+            "/v1/pets/0",
+        )
+
 
 def redacted(url: str) -> str:
     """A libpq URL or conninfo as a URL without its password, for the report."""

@@ -25,19 +25,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
-import platform
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import redis
 
@@ -49,7 +45,6 @@ from bench.database import (
     explain_list_queries,
     forget_new_pets,
     pool_backends,
-    redacted,
     seed,
 )
 from bench.inprocess import budget_table, measure_budget
@@ -66,21 +61,29 @@ from bench.measure import (
     peak_rss_kib,
     run_wrk,
 )
-from bench.report import HEADLINE, Run, plot_size, plot_summary, render
+from bench.report import (
+    Run,
+    machine_facts,
+    note_background_load,
+    plot_size,
+    plot_summary,
+    previous_report,
+    render,
+)
 from bench.servers import (
     FLASK_FLOOR,
     RAW_FLOOR,
     SERVICE,
+    Answers,
     Running,
     Server,
-    get,
+    compare_answers,
+    sample_answers,
     shown_command,
     start_servers,
 )
 
 SIZE_ROUNDS = 5  # at most, of the cost against table size
-
-Answers = dict[str, tuple[int, Any, str | None, bytes]]
 
 # deploy/gunicorn.conf.py's default with a shared storage: sync workers, 2 per core + 1.
 SHARED_WORKERS = 2 * multiprocessing.cpu_count() + 1
@@ -167,32 +170,6 @@ def started(
     return start_servers(stack, servers, database_url, redis_url, str(table.size))
 
 
-def sample_answers(port: int, key: str, table: Table) -> Answers:
-    """Status, parsed JSON, Link header and raw body of a few requests."""
-    paths = [
-        "/v1/pets?limit=20",
-        "/v1/pets?limit=100&status=available",
-        table.deep_path,
-        f"/v1/pets/{table.min_id}",
-        "/v1/pets/0",
-    ]
-    answers = {}
-    for path in paths:
-        status, headers, body = get(port, path, key)
-        answers[path] = (status, json.loads(body), headers.get("Link"), body)
-    return answers
-
-
-def compare_answers(reference: Answers, answers: Answers, label: str, run: Run) -> None:
-    """Note where a server answers differently from the service (status, JSON, Link, bytes)."""
-    for path, (status, body, link, raw) in answers.items():
-        want = reference[path]
-        if status != want[0] or (status < 400 and (body, link) != want[1:3]):
-            run.notes.append(f"{label} answers `{path}` unlike the service: {status} {raw[:100]!r}")
-        elif status < 400 and raw != want[3]:
-            run.notes.append(f"{label}: the same JSON as the service for `{path}`, other bytes")
-
-
 def check_and_warm_up(
     args: argparse.Namespace,
     conn: Conn,
@@ -211,9 +188,10 @@ def check_and_warm_up(
     targets: dict[Server, Target] = {}
     reference: Answers = {}
     for server, running in masters.items():
-        answers = sample_answers(running.port, key, table)
+        answers = sample_answers(running.port, key, [*table.sample_paths])
         if reference:
-            compare_answers(reference, answers, f"{server.label} ({table.size:,} pets)", run)
+            label = f"{server.label} ({table.size:,} pets)"
+            run.notes += compare_answers(reference, answers, label)
         reference = reference or answers
         targets[server] = Target(running.port, running.app_pids, running.nginx_pids, wrk_env)
         warm_up = Scenario("warm-up", "mixed.lua", "/v1/pets")
@@ -587,54 +565,6 @@ def write_report(args: argparse.Namespace, run: Run, facts: dict[str, str]) -> N
     print(f"\n{report}")
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     log(f"report written to {shown}, plots beside it ({', '.join(p.name for p in pictures)})")
-
-
-def previous_report(directory: Path) -> Path | None:
-    """The newest report in `directory` with the bare-Flask floor (read before it is replaced)."""
-    reports = sorted(directory.glob("*.md"), key=lambda each: each.stat().st_mtime)
-    found = [each for each in reports if HEADLINE in each.read_text(errors="replace")]
-    return found[-1] if found else None
-
-
-def machine_facts(conn: Conn, server_url: str | None) -> dict[str, str]:
-    """What the report says about the machine and the code (no paths, no secrets)."""
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
-    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
-    version = conn.execute("show server_version").fetchone()
-
-    def output(*command: str) -> str:
-        done = subprocess.run(
-            command, cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
-        )
-        return (done.stdout + done.stderr).strip()
-
-    dirty = output("git", "status", "--porcelain", "petstore", "sql", "wsgi.py", "deploy")
-    return {
-        "cpu": models[0] if models else platform.machine(),
-        "cores": str(os.cpu_count()),
-        "memory": f"{mem_kib / 2**20:.0f} GiB",
-        "postgres": f"PostgreSQL {version['server_version'].split()[0] if version else '?'}"
-        + (" (the machine's)" if server_url else " (embedded)"),
-        "python": f"Python {platform.python_version()}",
-        "wrk": "wrk " + output("wrk", "-v").split(" [")[0].split("/")[-1],
-        "commit": output("git", "rev-parse", "--short", "HEAD")
-        + (" plus uncommitted changes to the service" if dirty else ""),
-        "database": redacted(server_url) if server_url else "",
-    }
-
-
-def note_background_load(run: Run) -> None:
-    """Say how many measures ran while other processes kept the machine busy."""
-    every = [m for measures in run.rounds.values() for m in measures]
-    busy = [m.other_cpu / m.seconds for m in every if m.seconds]
-    noisy = [share for share in busy if share > 0.25]
-    if noisy:
-        run.notes.append(
-            f"Other processes on the machine used more than a quarter of a core during "
-            f"{len(noisy)} of {len(busy)} measures (up to {max(noisy):.2f} cores): those numbers "
-            "are noisy; the CPU per request (from /proc) is steadier than requests/s."
-        )
 
 
 if __name__ == "__main__":

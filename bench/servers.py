@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import multiprocessing
 import os
 import shlex
@@ -16,11 +17,14 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.measure import ROOT, process_tree
 from tests.support.nginx import DeployedGunicorn, Nginx
 from tests.support.servers import LOOPBACK
 
+# path -> (status, parsed JSON, Link header, raw body)
+Answers = dict[str, tuple[int, Any, str | None, bytes]]
 LOG_DIR = ROOT / "var" / "bench-logs"
 GUNICORN_CONFIG = "deploy/gunicorn.conf.py"
 NGINX_CONFIG = "deploy/nginx/petstore.conf"
@@ -194,6 +198,27 @@ def start_servers(
             stack.enter_context(nginx)
         started[server] = Running(gunicorn, nginx)
     return started
+
+
+def sample_answers(port: int, key: str, paths: list[str]) -> Answers:
+    """Status, parsed JSON, Link header and raw body of a few requests."""
+    answers = {}
+    for path in paths:
+        status, headers, body = get(port, path, key)
+        answers[path] = (status, json.loads(body), headers.get("Link"), body)
+    return answers
+
+
+def compare_answers(reference: Answers, answers: Answers, label: str) -> list[str]:
+    """Where a server answers differently from the service (status, JSON, Link, bytes)."""
+    notes = []
+    for path, (status, body, link, raw) in answers.items():
+        want = reference[path]
+        if status != want[0] or (status < 400 and (body, link) != want[1:3]):
+            notes.append(f"{label} answers `{path}` unlike the service: {status} {raw[:100]!r}")
+        elif status < 400 and raw != want[3]:
+            notes.append(f"{label}: the same JSON as the service for `{path}`, other bytes")
+    return notes
 
 
 def get(port: int, path: str, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
