@@ -12,6 +12,8 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 from prometheus_client import Counter, Histogram
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from petstore import create_app, metrics, openapi
@@ -266,3 +268,19 @@ def value_of(counter: Counter, **labels: str) -> float:
         for sample in family.samples
         if sample.labels == labels and sample.name.endswith("_total")
     )
+
+
+def test_a_worker_boots_beside_one_whose_file_is_still_empty(tmp_path: Path) -> None:
+    """Workers boot at once: one may find another's metrics file created but not yet written."""
+    empty = tmp_path / "counter_4242.db"
+    empty.write_bytes(b"")
+    written = MmapedDict(str(tmp_path / "counter_4343.db"))
+    key = mmap_key("petstore_bans", "petstore_bans_total", [], [], "Bans.")
+    written.write_value(key, 3.0, 0.0)
+    written.close()
+
+    registry = metrics.build().registry
+    MultiProcessCollector(registry, path=str(tmp_path))
+    empty.unlink()  # that worker has written its file by the first scrape
+
+    assert registry.get_sample_value("petstore_bans_total") == 3.0
