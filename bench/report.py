@@ -712,8 +712,12 @@ def plot_summary(run: Run, path: Path) -> Path:
 
 
 def plot_colors(servers: list[Server]) -> list[str]:
-    """Service dark, bare-Flask floor middle, raw floor light; blue for memory, orange for redis."""
+    """Service dark, bare-Flask floor middle, raw floor light; blue for memory, orange for redis,
+    green for redis through nginx."""
     shades = {
+        ("nginx", SERVICE): "#1b6e3a",
+        ("nginx", FLASK_FLOOR): "#4caf6e",
+        ("nginx", RAW_FLOOR): "#a5d9b5",
         ("memory", SERVICE): "#1f4e99",
         ("memory", FLASK_FLOOR): "#4f8fdb",
         ("memory", RAW_FLOOR): "#a9c8ef",
@@ -721,7 +725,7 @@ def plot_colors(servers: list[Server]) -> list[str]:
         ("redis", FLASK_FLOOR): "#f08a3c",
         ("redis", RAW_FLOOR): "#f7c79f",
     }
-    return [shades.get((s.storage, s.app), "#888888") for s in servers]
+    return [shades.get(("nginx" if s.nginx else s.storage, s.app), "#888888") for s in servers]
 
 
 def wrapped(name: str) -> str:

@@ -289,7 +289,7 @@ def where_the_distance_goes(
     run.distance_servers = DISTANCE
     run.distance_size = table.size
     side_by_side(
-        args, conn, database_url, key, table, run, DISTANCE, reads, args.rounds, run.distance
+        args, conn, database_url, key, table, run, DISTANCE, reads, args.second_rounds, run.distance
     )
 
 
@@ -389,10 +389,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--connections", type=int, default=8, help="wrk connections (default 8)")
     parser.add_argument("--threads", type=int, default=1, help="wrk threads (default 1)")
     parser.add_argument(
-        "--direct-rounds",
+        "--second-rounds",
         type=int,
         default=4,
-        help="rounds of the redis:// servers straight to gunicorn, the second table (default 4)",
+        help="rounds of the tables after the headline and memory:// at the first size: redis:// "
+        "straight to gunicorn, memory:// at the larger sizes, where the distance goes (default 4)",
     )
     parser.add_argument(
         "--configs",
@@ -424,9 +425,9 @@ def parse_args() -> argparse.Namespace:
         "--output", type=Path, default=ROOT / "bench" / "results", help="report directory"
     )
     args = parser.parse_args()
-    counts = (args.duration, args.warmup, args.rounds, args.direct_rounds, args.config_rounds)
+    counts = (args.duration, args.warmup, args.rounds, args.second_rounds, args.config_rounds)
     if min(counts) < 1:
-        parser.error("--duration, --warmup, --rounds, --direct-rounds, --config-rounds: at least 1")
+        parser.error("--duration, --warmup, --rounds, --second-rounds, --config-rounds: at least 1")
     if min(args.sizes) < 2 * PAGE_LIMIT:
         parser.error(f"--sizes: at least {2 * PAGE_LIMIT} pets")
     return args
@@ -508,7 +509,8 @@ def bench(args: argparse.Namespace) -> int:
             run.scenario_names = [s.name for s in scenarios(table)]
             first = size == min(args.sizes)
             for _title, servers in run.groups if first else run.groups[-1:]:
-                rounds = args.direct_rounds if servers == REDIS else args.rounds
+                headline = servers == PRODUCTION or (first and servers == MEMORY)
+                rounds = args.rounds if headline else args.second_rounds
                 bench_group(args, conn, database_url, key, table, servers, rounds, run)
             if first:
                 where_the_distance_goes(args, conn, database_url, key, table, run)
@@ -540,7 +542,7 @@ def write_report(args: argparse.Namespace, run: Run, facts: dict[str, str]) -> N
         pictures.insert(0, plot_summary(run, args.output / "summary.png"))
     invocation = (
         f".venv/bin/python -m bench.run --sizes {','.join(str(size) for size in run.sizes)} "
-        f"--duration {args.duration} --rounds {args.rounds} --direct-rounds {args.direct_rounds} "
+        f"--duration {args.duration} --rounds {args.rounds} --second-rounds {args.second_rounds} "
         f"--config-rounds {args.config_rounds} --warmup {args.warmup} "
         f"--connections {args.connections} --threads {args.threads}"
         + ("" if args.configs else " --no-configs")
