@@ -566,7 +566,8 @@ def write_report(args: argparse.Namespace, run: Run, facts: dict[str, str]) -> N
     path.write_text(report)
     print(f"\n{report}")
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-    log(f"report written to {shown}, plots beside it ({', '.join(p.name for p in pictures)})")
+    plots = f", plots beside it ({', '.join(p.name for p in pictures)})" if pictures else ""
+    log(f"report written to {shown}{plots}")
 
 
 if __name__ == "__main__":
