@@ -357,7 +357,9 @@ def check_sizes(
 
 def parse_args() -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run", description=(__doc__ or "").splitlines()[0]
+    )
     parser.add_argument(
         "--database-url",
         default=os.environ.get("DATABASE_URL") or None,
