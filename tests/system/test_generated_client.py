@@ -63,7 +63,7 @@ def client_package(server: Gunicorn, tmp_path: Path) -> Iterator[ModuleType]:
     assert generated.returncode == 0, generated.stdout + generated.stderr
     # The generator reports what it could not translate as warnings; there must be none.
     assert "Warning" not in generated.stdout + generated.stderr, generated.stdout + generated.stderr
-    # Imported from where it was written, as a package, without touching sys.path.
+    # Imported from where it was written, as a package, leaving the import path as it is.
     package_dir = tmp_path / "generated" / PACKAGE
     spec = importlib.util.spec_from_file_location(
         PACKAGE, package_dir / "__init__.py", submodule_search_locations=[str(package_dir)]
