@@ -41,7 +41,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 	touch $@
 
 bench: $(VENV)/.bench-installed  ## Benchmark the service against the floors into bench/results/ (BENCH_ARGS=--help)
-	$(BIN)/python bench/run.py $(BENCH_ARGS)
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:  ## Remove the virtualenv and build files (var/ keeps the embedded database)
 	rm -rf $(VENV) build *.egg-info

@@ -8,7 +8,7 @@ flask-limiter, no request log. The counter is in-process for memory://; with
 RATELIMIT_STORAGE_URI=redis://... it counts in Redis, one Lua call (INCR, EXPIRE, PTTL) per window.
 Served by the same gunicorn config as the service:
 
-    gunicorn -c deploy/gunicorn.conf.py --pythonpath bench 'flask_floor:create_flask_floor()'
+    gunicorn -c deploy/gunicorn.conf.py 'bench.flask_floor:create_flask_floor()'
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def http_error(exc: HTTPException) -> Response:
 def create_flask_floor(settings: Mapping[str, Any] | None = None) -> Flask:
     """The app, its pool and its counter; settings from the environment, then `settings`.
 
-    gunicorn calls it in each worker (`flask_floor:create_flask_floor()`), after the fork.
+    gunicorn calls it in each worker (`bench.flask_floor:create_flask_floor()`), after the fork.
     """
     app = Flask(__name__)
     app.config.update(config.from_environ())

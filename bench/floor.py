@@ -5,7 +5,7 @@ the service's query, run the service's SQL for the operation (the functions of p
 write the same JSON and headers, on a pool made as the service makes its own (petstore.db.open_pool).
 Served by the same gunicorn config as the service:
 
-    gunicorn -c deploy/gunicorn.conf.py --pythonpath bench 'floor:create_floor()'
+    gunicorn -c deploy/gunicorn.conf.py 'bench.floor:create_floor()'
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def create_floor(
 ) -> WSGIApp:
     """The floor WSGI app: settings from the environment unless given, its own pool unless given.
 
-    gunicorn calls it in each worker (`floor:create_floor()`), after the fork.
+    gunicorn calls it in each worker (`bench.floor:create_floor()`), after the fork.
     """
     settings = config.from_environ() if settings is None else settings
     config.check(settings)

@@ -22,6 +22,7 @@ from typing import Any
 from flask import Flask
 from werkzeug.test import EnvironBuilder
 
+from bench.flask_floor import create_flask_floor
 from petstore import create_app, logs, schemas, web
 
 PATH = "/v1/pets?limit=20"
@@ -76,8 +77,6 @@ def make_app(variant: Variant, database_url: str, redis_url: str) -> Flask:
     storage = "memory://" if variant.storage == "memory" else redis_url
     settings = {"DATABASE_URL": database_url, "RATELIMIT_STORAGE_URI": storage}
     if variant.floor:
-        from flask_floor import create_flask_floor
-
         return create_flask_floor(settings)
     return create_app({**settings, **dict(variant.settings)})
 

@@ -1,14 +1,12 @@
-"""Measurement for `make bench`: the servers under test, wrk runs, and CPU accounting from /proc.
+"""Measurement for `make bench`: wrk runs, and CPU accounting from /proc.
 
-The servers are the test harness's gunicorn (tests/support/servers.py) started with the deploy
-config; a Measure is what one wrk run saw, with the CPU the app, PostgreSQL, wrk and every other
-process spent meanwhile.
+A Measure is what one wrk run saw, with the CPU spent meanwhile by the app (gunicorn's process
+tree), its PostgreSQL backends, Redis, nginx's process tree, wrk, and the whole machine.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import resource
@@ -17,19 +15,18 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import redis
+
+from tests.support.servers import LOOPBACK
 
 ROOT = Path(__file__).resolve().parent.parent
-# The test harness's process helpers, shared with the system tests.
-sys.path.insert(0, str(ROOT / "tests"))
-
-from support.nginx import DeployedGunicorn  # noqa: E402
-from support.servers import LOOPBACK  # noqa: E402
 
 WRK_DIR = ROOT / "bench" / "wrk"
-GUNICORN_CONFIG = "deploy/gunicorn.conf.py"
 STARTED = time.monotonic()
 
 
@@ -50,16 +47,18 @@ class Scenario:
 
 @dataclass(frozen=True)
 class Target:
-    """A running server as wrk drives it."""
+    """A running server as wrk drives it: where, whose CPU counts, wrk's environment."""
 
     port: int
-    app_pids: list[int]
+    app_pids: Callable[[], list[int]]  # gunicorn's process tree
+    nginx_pids: Callable[[], list[int] | None]  # nginx's, or None when wrk goes to gunicorn
     wrk_env: dict[str, str]
 
 
 @dataclass
 class Measure:
-    """What one wrk run measured, and the CPU spent meanwhile by the app, PostgreSQL, wrk, others."""
+    """What one wrk run measured, and the CPU seconds spent meanwhile by the app, PostgreSQL,
+    Redis, nginx, wrk, other processes and the whole machine (None: not measured)."""
 
     requests: int
     seconds: float
@@ -70,6 +69,9 @@ class Measure:
     pg_cpu: float | None
     wrk_cpu: float
     other_cpu: float
+    redis_cpu: float | None = None
+    nginx_cpu: float | None = None
+    machine_cpu: float = 0.0
 
     @property
     def rps(self) -> float:
@@ -92,6 +94,26 @@ class Measure:
         """The PostgreSQL backends' CPU per request, µs."""
         return self.per_request_us(self.pg_cpu)
 
+    @property
+    def redis_us(self) -> float | None:
+        """Redis' CPU per request, µs."""
+        return self.per_request_us(self.redis_cpu)
+
+    @property
+    def nginx_us(self) -> float | None:
+        """nginx's CPU per request, µs."""
+        return self.per_request_us(self.nginx_cpu)
+
+    @property
+    def machine_us(self) -> float | None:
+        """The whole machine's CPU per request (every process, wrk and the noise included), µs."""
+        return self.per_request_us(self.machine_cpu)
+
+
+def summed(values: list[float | None]) -> float | None:
+    """The sum, or None when any is None."""
+    return None if any(value is None for value in values) else sum(v or 0.0 for v in values)
+
 
 def combined(measures: list[Measure]) -> Measure:
     """Several runs as one: counts and CPU summed, latencies the median of the runs'."""
@@ -102,28 +124,30 @@ def combined(measures: list[Measure]) -> Measure:
         p99_ms=statistics.median(m.p99_ms for m in measures),
         errors=sum(m.errors for m in measures),
         app_cpu=sum(m.app_cpu for m in measures),
-        pg_cpu=None
-        if any(m.pg_cpu is None for m in measures)
-        else sum(m.pg_cpu or 0 for m in measures),
+        pg_cpu=summed([m.pg_cpu for m in measures]),
         wrk_cpu=sum(m.wrk_cpu for m in measures),
         other_cpu=sum(m.other_cpu for m in measures),
+        redis_cpu=summed([m.redis_cpu for m in measures]),
+        nginx_cpu=summed([m.nginx_cpu for m in measures]),
+        machine_cpu=sum(m.machine_cpu for m in measures),
     )
 
 
 # --- wrk ---------------------------------------------------------------------------------------
 
 
-def ensure_wrk() -> None:
-    """Make sure wrk is there: installed from Debian's packages when missing and we are root."""
-    if shutil.which("wrk"):
+def ensure_program(name: str) -> None:
+    """Make sure a program (wrk, nginx) is there: installed from Debian's package of that name
+    when missing and we are root."""
+    if shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin"):
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        sys.exit("wrk is missing: install it (Debian: sudo apt-get install -y wrk) and run again")
-    log("wrk is missing: apt-get update && apt-get install -y wrk")
-    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "wrk"]):
+        sys.exit(f"{name} is missing: install it (Debian: sudo apt-get install -y {name})")
+    log(f"{name} is missing: apt-get update && apt-get install -y {name}")
+    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", name]):
         subprocess.run(command, check=True, timeout=600, stdout=subprocess.DEVNULL)
-    if not shutil.which("wrk"):
-        sys.exit("apt-get installed no wrk")
+    if not (shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")):
+        sys.exit(f"apt-get installed no {name}")
 
 
 def run_wrk(
@@ -133,8 +157,10 @@ def run_wrk(
     connections: int,
     threads: int,
     pg_pids: list[int] | None = None,
+    redis_pids: list[int] | None = None,
 ) -> Measure:
-    """Drive the server with wrk for `duration` seconds; what wrk measured and who spent CPU."""
+    """Drive the server with wrk for `duration` seconds; what wrk measured and who spent CPU
+    (the PostgreSQL backends and Redis only when their pids are given)."""
     command = [
         "wrk",
         f"-t{min(threads, connections)}",
@@ -147,8 +173,11 @@ def run_wrk(
         scenario.script,
         f"http://{LOOPBACK}:{target.port}{scenario.path}",
     ]
-    app_before = cpu_seconds(target.app_pids)
+    app_pids, nginx_pids = target.app_pids(), target.nginx_pids()
+    app_before = cpu_seconds(app_pids)
     pg_before = cpu_seconds(pg_pids or [])
+    redis_before = cpu_seconds(redis_pids or [])
+    nginx_before = cpu_seconds(nginx_pids or [])
     busy_before = machine_busy_seconds()
     wrk_before = children_cpu_seconds()
     with subprocess.Popen(
@@ -167,8 +196,10 @@ def run_wrk(
             raise
     wrk_cpu = children_cpu_seconds() - wrk_before
     busy = machine_busy_seconds() - busy_before
-    app_cpu = cpu_seconds(target.app_pids) - app_before
+    app_cpu = cpu_seconds(app_pids) - app_before
     pg_cpu = cpu_seconds(pg_pids or []) - pg_before
+    redis_cpu = cpu_seconds(redis_pids or []) - redis_before
+    nginx_cpu = cpu_seconds(nginx_pids or []) - nginx_before
     summary = [line[6:] for line in stdout.splitlines() if line.startswith("BENCH ")]
     if wrk.returncode != 0 or not summary:
         raise RuntimeError(f"wrk failed ({wrk.returncode}):\n{stdout}\n{stderr}")
@@ -182,7 +213,10 @@ def run_wrk(
         app_cpu=app_cpu,
         pg_cpu=pg_cpu if pg_pids else None,
         wrk_cpu=wrk_cpu,
-        other_cpu=max(0.0, busy - app_cpu - pg_cpu - wrk_cpu),
+        other_cpu=max(0.0, busy - app_cpu - pg_cpu - redis_cpu - nginx_cpu - wrk_cpu),
+        redis_cpu=redis_cpu if redis_pids else None,
+        nginx_cpu=nginx_cpu if nginx_pids else None,
+        machine_cpu=busy,
     )
 
 
@@ -197,6 +231,28 @@ def cpu_seconds(pids: list[int]) -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(fields[11]) + int(fields[12])  # utime, stime
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> list[int]:
+    """A process and all its descendants (gone ones left out)."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def local_redis_pids(redis_url: str) -> list[int] | None:
+    """The Redis server's pid when it runs on this machine, else None."""
+    with contextlib.suppress(redis.RedisError, OSError):
+        info: dict[str, Any] = redis.Redis.from_url(redis_url, socket_timeout=5).info("server")  # type: ignore[assignment]
+        pid = int(info["process_id"])
+        if "redis" in Path(f"/proc/{pid}/comm").read_text():
+            return [pid]
+    return None
 
 
 def machine_busy_seconds() -> float:
@@ -219,50 +275,3 @@ def peak_rss_kib(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1])
     return 0
-
-
-# --- the servers -------------------------------------------------------------------------------
-
-
-def get(port: int, path: str, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
-    """GET a path of a server: status, headers, body."""
-    connection = http.client.HTTPConnection(LOOPBACK, port, timeout=5)
-    try:
-        connection.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
-        response = connection.getresponse()
-        return response.status, dict(response.getheaders()), response.read()
-    finally:
-        connection.close()
-
-
-class BenchGunicorn(DeployedGunicorn):
-    """The harness's deployed gunicorn (deploy/gunicorn.conf.py), serving an app of our choice.
-
-    `environ` is the whole environment (the runner leaves out the caller's service settings);
-    ready when /healthz answers and every worker is up.
-    """
-
-    def __init__(
-        self, app: list[str], environ: Mapping[str, str], log_path: Path, workers: int, threads: int
-    ) -> None:
-        super().__init__(
-            environ,
-            log_path,
-            workers=workers,
-            threads=threads,
-            start_timeout=30.0,
-            stop_timeout=30.0,
-        )
-        self.app = app
-
-    def command(self) -> list[str]:
-        """gunicorn with the deploy config; workers, threads and class come from the environment."""
-        return [sys.executable, "-m", "gunicorn", "-c", GUNICORN_CONFIG, *self.app]
-
-    def start(self) -> None:
-        """Start it with exactly `environ`, and wait (bounded) until every worker is up."""
-        self.launch(self.command(), cwd=ROOT, env={**self.environ, "PYTHONUNBUFFERED": "1"})
-
-    def answers(self) -> bool:
-        """/healthz answers 200 and the master has all its workers."""
-        return super().answers() and len(self.worker_pids()) == self.workers

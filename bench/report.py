@@ -3,41 +3,29 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from measure import GUNICORN_CONFIG, Measure, combined
+from bench.database import Conn, redacted
+from bench.measure import ROOT, Measure, combined
+from bench.servers import (
+    FLASK_FLOOR,
+    GUNICORN_CONFIG,
+    NGINX_CONFIG,
+    NGINX_WORKERS,
+    RAW_FLOOR,
+    SERVICE,
+    Server,
+)
 
-SERVICE, FLASK_FLOOR, RAW_FLOOR = "service", "bare-Flask floor", "raw floor"
 # The targets of the service against the bare-Flask floor (issue 9): reads, and writes or mixed.
 READ_TARGET, WRITE_TARGET = 0.85, 0.8
-
-
-@dataclass(frozen=True)
-class Server:
-    """A server under test: which app, its limiter storage, workers × threads, class, ablations.
-
-    `without` switches parts of the service off, to show what they cost: "limiter" (the
-    factory called with RATELIMIT_ENABLED off) and "request log" (PETSTORE_LOG_LEVEL=warning).
-    """
-
-    app: str  # SERVICE, FLASK_FLOOR or RAW_FLOOR
-    storage: str  # "memory" or "redis"
-    workers: int
-    threads: int = 4
-    worker_class: str = "gthread"
-    without: tuple[str, ...] = ()
-
-    @property
-    def label(self) -> str:
-        """How the report names it."""
-        storage = f" {self.storage}://" if self.app != RAW_FLOOR else ""
-        kind = f" {self.worker_class}" if self.worker_class != "gthread" else ""
-        parts = f" without the {' and the '.join(self.without)}" if self.without else ""
-        return f"{self.app}{storage}{kind} {self.workers}×{self.threads}{parts}"
 
 
 @dataclass
@@ -169,28 +157,31 @@ def comparison(run: Run, servers: tuple[Server, ...]) -> list[str]:
 
 
 def cpu_table(run: Run, servers: tuple[Server, ...]) -> list[str]:
-    """CPU per request of each server (app, PostgreSQL), and how busy wrk and the rest were."""
+    """CPU per request of each server: the app, PostgreSQL, Redis, nginx and the whole machine."""
     lines = [
-        "| pets | scenario | service app / PostgreSQL µs | Flask floor app / PostgreSQL µs "
-        "| raw floor app / PostgreSQL µs | Flask floor app ÷ service app, median (min–max) "
-        "| service app ÷ raw floor app | wrk (cores) | other processes (cores) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| pets | scenario | server | app µs | PostgreSQL µs | Redis µs | nginx µs "
+        "| whole machine µs | service ÷ this, app, median (min–max) | service ÷ this, "
+        "whole machine | wrk (cores) | other processes (cores) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size, name in group_rows(run, servers):
         measures = [run.rounds.get((size, s.label, name), []) for s in servers]
         whole = [combined(each) for each in measures]
-        cells = [f"{fmt(m.app_us)} / {fmt(m.pg_us)}" for m in whole]
-        by_cpu = cpu_ratio(measures[0], measures[1])
-        cells.append(by_cpu.cell() if by_cpu else "n/a")
-        wrk = max(m.wrk_cpu / m.seconds for m in whole if m.seconds)
-        other = max(m.other_cpu / m.seconds for m in whole if m.seconds)
-        app_ratio = (
-            whole[0].app_us / whole[2].app_us if whole[0].app_us and whole[2].app_us else None
-        )
-        lines.append(
-            f"| {size:,} | {name} | {' | '.join(cells)} | {fmt(app_ratio, 2)} | "
-            f"{wrk:.2f} | {other:.2f} |"
-        )
+        for server, these, this in zip(servers, measures, whole, strict=True):
+            base = server is servers[0]
+            by_app = None if base else cpu_ratio(these, measures[0])
+            by_machine = (
+                whole[0].machine_us / this.machine_us
+                if not base and whole[0].machine_us and this.machine_us
+                else None
+            )
+            seconds = this.seconds or 1.0
+            lines.append(
+                f"| {size:,} | {name} | {server.app} | {fmt(this.app_us)} | {fmt(this.pg_us)} "
+                f"| {fmt(this.redis_us)} | {fmt(this.nginx_us)} | {fmt(this.machine_us)} "
+                f"| {by_app.cell() if by_app else ''} | {fmt(by_machine, 2) if by_machine else ''} "
+                f"| {this.wrk_cpu / seconds:.2f} | {this.other_cpu / seconds:.2f} |"
+            )
     return lines
 
 
@@ -214,11 +205,11 @@ def distance_table(run: Run) -> list[str]:
 
 
 def configs_table(run: Run) -> list[str]:
-    """The service on redis:// under each serving configuration."""
+    """The service on redis:// under each serving configuration, through nginx."""
     lines = [
         "| scenario | configuration | req/s | min–max req/s over rounds | p99 ms "
-        "| app CPU µs/request | PostgreSQL µs/request |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| app µs | PostgreSQL µs | Redis µs | nginx µs | whole machine µs |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     best: dict[str, list[tuple[float, float, str]]] = {}
     for (name, label), measures in run.configs.items():
@@ -226,15 +217,16 @@ def configs_table(run: Run) -> list[str]:
         rates = [m.rps for m in measures]
         lines.append(
             f"| {name} | {label} | {fmt(whole.rps)} | {fmt(min(rates))}–{fmt(max(rates))} "
-            f"| {fmt(whole.p99_ms, 1)} | {fmt(whole.app_us)} | {fmt(whole.pg_us)} |"
+            f"| {fmt(whole.p99_ms, 1)} | {fmt(whole.app_us)} | {fmt(whole.pg_us)} "
+            f"| {fmt(whole.redis_us)} | {fmt(whole.nginx_us)} | {fmt(whole.machine_us)} |"
         )
-        best.setdefault(name, []).append((whole.rps, whole.app_us or 0.0, label))
+        best.setdefault(name, []).append((whole.rps, whole.machine_us or 0.0, label))
     lines.append("")
     for name, found in best.items():
         fastest, leanest = max(found), min(found, key=lambda each: each[1])
         lines.append(
-            f"- {name}: most requests/s with {fastest[2]} ({fmt(fastest[0])}); least app CPU "
-            f"per request with {leanest[2]} ({fmt(leanest[1])} µs)."
+            f"- {name}: most requests/s with {fastest[2]} ({fmt(fastest[0])}); least CPU of "
+            f"the whole machine per request with {leanest[2]} ({fmt(leanest[1])} µs)."
         )
     return lines
 
@@ -338,30 +330,36 @@ def against_previous(text: str, previous: Path | None) -> str:
     )
 
 
-def render(
-    run: Run,
-    facts: dict[str, str],
-    settings: dict[str, str],
-    wall: float,
-    pictures: list[Path],
-    previous: Path | None = None,
-) -> str:
-    """The Markdown report."""
-    out = [
-        "# Benchmark: the service against the bare-Flask floor and the raw floor",
-        "",
+def introduction(
+    run: Run, facts: dict[str, str], settings: dict[str, str], wall: float, pictures: list[Path]
+) -> list[str]:
+    """The title, the machine, the load, the servers and how to read the ratios."""
+    machine = (
         f"{time.strftime('%Y-%m-%d')}, commit {facts['commit']}. **Numbers from one run on one "
         f"machine** ({facts['cpu']}, {facts['cores']} cores, {facts['memory']}; "
-        f"{facts['postgres']}, {facts['python']}, {facts['wrk']}); wrk, PostgreSQL, Redis and "
-        f"gunicorn share these cores. The run took {wall / 60:.1f} min.",
-        "",
+        f"{facts['postgres']}, {facts['python']}, {facts['wrk']}); wrk, nginx, PostgreSQL, "
+        f"Redis and gunicorn share these cores. The run took {wall / 60:.1f} min."
+    )
+    load = (
         f"Load: wrk with {settings['threads']} thread(s) and {settings['connections']} "
-        f"connections; {settings['rounds']} rounds of {settings['duration']} s per server and "
-        "scenario, interleaved (each round runs every scenario on every server in turn, so "
-        f"both sides of a ratio see about the same background load), after a {settings['warmup']} "
-        f"s mixed warm-up of each server. Every server is gunicorn with `{GUNICORN_CONFIG}` "
-        "and its defaults (memory://: one gthread worker × 4 threads; redis://: sync workers, "
-        "2 per core + 1), the pool sized to the threads. Three servers per storage:",
+        "connections; interleaved rounds of "
+        f"{settings['duration']} s (each round runs every scenario on every server in turn, so "
+        "both sides of a ratio see about the same background load), after a "
+        f"{settings['warmup']} s mixed warm-up of each server. Every server is gunicorn with "
+        f"`{GUNICORN_CONFIG}` and its defaults (redis://: sync workers, 2 per core + 1; "
+        "memory://: one gthread worker × 4 threads), the pool sized to the threads. The "
+        f"headline goes through the shipped nginx site (`{NGINX_CONFIG}`, only its upstream "
+        f"server, listen address and access log replaced; {NGINX_WORKERS} nginx workers, one "
+        "nginx per server), as in production."
+    )
+    if not run.groups:
+        return ["# Benchmark: serving configurations through nginx", "", machine, "", load, ""]
+    return [
+        "# Benchmark: the service against the bare-Flask floor and the raw floor",
+        "",
+        machine,
+        "",
+        load + " Three servers per group:",
         "",
         "- the **service**;",
         "- the **bare-Flask floor** (`bench/flask_floor.py`): a plain Flask app doing the "
@@ -386,60 +384,112 @@ def render(
         *(f"![{picture.stem}]({picture.name})" for picture in pictures),
         "",
     ]
+
+
+def groups_section(run: Run) -> list[str]:
+    """Requests/s and the ratios of each group, the headline first."""
+    out = []
     for title, servers in run.groups:
-        out += [f"## {title}", "", *comparison(run, servers), ""]
-    out += [
+        rounds = max(
+            (len(m) for (_s, label, _n), m in run.rounds.items() if label == servers[0].label),
+            default=0,
+        )
+        out += [
+            f"## {title}",
+            "",
+            f"{rounds} interleaved rounds.",
+            "",
+            *comparison(run, servers),
+            "",
+        ]
+    return out
+
+
+def cpu_section(run: Run) -> list[str]:
+    """CPU per request of each server in each group."""
+    if not run.groups:
+        return []
+    out = [
         "## CPU per request",
         "",
-        "From /proc, summed over the rounds: the gunicorn workers (app) and the pool's PostgreSQL "
-        "backends, per request. *Flask floor app ÷ service app* is what service ÷ Flask floor in "
-        "requests/s would be if both were bound by their own CPU: it moves less with background "
-        "load than requests/s do. *service app ÷ raw floor app* is the yardstick of issue 9's "
-        "moonshot (the FastAPI alternative spent about the raw floor's CPU). Then the cores wrk "
-        "used, and those every other process on the machine used meanwhile (noise, when it is "
-        "not 0).",
+        "From /proc, utime + stime before and after each round, summed over the rounds and "
+        "spread over the requests: gunicorn's process tree (app), the pool's PostgreSQL "
+        "backends, the Redis server (when it runs on this machine, for the redis:// groups), "
+        "nginx's process tree (the headline), and the whole machine (/proc/stat: every process, "
+        "wrk and the noise included). *service ÷ this, app* is what this server's requests/s "
+        "over the service's would be if both were bound by their own CPU: it moves less with "
+        "background load than requests/s do. Then the cores wrk used, and those every other "
+        "process on the machine used meanwhile (noise, when it is not 0; Redis and PostgreSQL "
+        "may serve other clients too).",
         "",
     ]
     for title, servers in run.groups:
         out += [f"### {title}", "", *cpu_table(run, servers), ""]
-    if run.distance:
-        out += [
-            f"## Where the distance goes ({run.distance_size:,} pets, memory://, 1 worker)",
-            "",
-            "The floors, the service with parts switched off, and the whole service: the "
-            "service without the limiter is the factory called with `RATELIMIT_ENABLED` off, "
-            "and `PETSTORE_LOG_LEVEL=warning` drops the request log. Interleaved rounds as above.",
-            "",
-            *distance_table(run),
-            "",
-        ]
-    if run.configs:
-        out += [
-            "## Serving configurations (the service on redis://)",
-            "",
-            "gunicorn's worker class, workers × threads, set through `GUNICORN_WORKER_CLASS`, "
-            "`WEB_CONCURRENCY` and `PETSTORE_THREADS` (the pool follows the threads); "
-            "interleaved rounds as above.",
-            "",
-            *configs_table(run),
-            "",
-        ]
-    if run.budget:
-        out += ["## The per-request budget, in-process", "", run.budget, ""]
-    if run.single:
-        service, floor = settings["size_service"], settings["size_floor"]
-        out += [
-            f"## Cost against table size ({max(run.sizes):,} pets, 1 connection)",
-            "",
-            "One connection (no queueing), rounds of 1 s with each page on each server in turn; "
-            "the median of the rounds' median latencies. Target: the deep page and a filtered "
-            "page within 1.2× of the first page. The PostgreSQL column is the raw floor's "
-            "backends' CPU per request, the part that would grow with the table.",
-            "",
-            *size_table(run, service, floor),
-            "",
-        ]
-    out += [
+    return out
+
+
+def distance_section(run: Run) -> list[str]:
+    """Where the distance between the floors and the service goes."""
+    if not run.distance:
+        return []
+    return [
+        f"## Where the distance goes ({run.distance_size:,} pets, memory://, 1 worker)",
+        "",
+        "The floors, the service with parts switched off, and the whole service: the "
+        "service without the limiter is the factory called with `RATELIMIT_ENABLED` off, "
+        "and `PETSTORE_LOG_LEVEL=warning` drops the request log. Interleaved rounds as above.",
+        "",
+        *distance_table(run),
+        "",
+    ]
+
+
+def configs_section(run: Run, settings: dict[str, str]) -> list[str]:
+    """The serving configurations through nginx."""
+    if not run.configs:
+        return []
+    return [
+        "## Serving configurations (the service on redis://, through nginx)",
+        "",
+        "gunicorn's worker class, workers × threads, set through `GUNICORN_WORKER_CLASS`, "
+        "`WEB_CONCURRENCY` and `PETSTORE_THREADS` (the pool follows the threads), each behind "
+        "its own nginx with the shipped site: a sync worker closes every connection after its "
+        "answer, so nginx opens a new one per request; gthread workers keep nginx's upstream "
+        f"connections alive (`GUNICORN_KEEPALIVE`). {settings['config_rounds']} interleaved "
+        "rounds.",
+        "",
+        *configs_table(run),
+        "",
+    ]
+
+
+def budget_section(run: Run) -> list[str]:
+    """The in-process per-request budget."""
+    return ["## The per-request budget, in-process", "", run.budget, ""] if run.budget else []
+
+
+def size_section(run: Run, settings: dict[str, str]) -> list[str]:
+    """The cost against table size."""
+    if not run.single:
+        return []
+    return [
+        f"## Cost against table size ({max(run.sizes):,} pets, 1 connection)",
+        "",
+        "One connection (no queueing), rounds of 1 s with each page on each server in turn; "
+        "the median of the rounds' median latencies. Target: the deep page and a filtered "
+        "page within 1.2× of the first page. The PostgreSQL column is the raw floor's "
+        "backends' CPU per request, the part that would grow with the table.",
+        "",
+        *size_table(run, settings["size_service"], settings["size_floor"]),
+        "",
+    ]
+
+
+def rss_section(run: Run) -> list[str]:
+    """Peak RSS per worker of each server."""
+    if not run.rss_kib:
+        return []
+    return [
         "## Peak RSS per worker (VmHWM, read just before stopping the server)",
         "",
         "| pets | server | MiB per worker |",
@@ -449,24 +499,115 @@ def render(
             for (size, label), kibs in run.rss_kib.items()
         ),
         "",
-        "## Notes",
-        "",
-        *(f"- {note}" for note in run.notes),
     ]
-    if run.plans:
-        out += ["", f"## Plans at {max(run.sizes):,} pets (`EXPLAIN (ANALYZE, BUFFERS)`)"]
+
+
+def notes_section(run: Run) -> list[str]:
+    """What the run noticed: answers unlike the service's, errors, background load."""
+    return ["## Notes", "", *(f"- {note}" for note in run.notes), ""] if run.notes else []
+
+
+def plans_section(run: Run) -> list[str]:
+    """EXPLAIN (ANALYZE, BUFFERS) of the list queries at the largest size."""
+    if not run.plans:
+        return []
+    out = [f"## Plans at {max(run.sizes):,} pets (`EXPLAIN (ANALYZE, BUFFERS)`)", ""]
     for title, query, plan in run.plans:
-        out += ["", f"### {title}", "", "```sql", query, "```", "", "```", plan, "```"]
-    out += ["", "## Commands", "", "```", settings["invocation"], *run.commands.values()]
-    out += [
+        out += [f"### {title}", "", "```sql", query, "```", "", "```", plan, "```", ""]
+    return out
+
+
+def commands_section(run: Run, settings: dict[str, str]) -> list[str]:
+    """The bench's own command, each server's, and wrk's."""
+    return [
+        "## Commands",
+        "",
+        "```",
+        settings["invocation"],
+        *run.commands.values(),
         "cd bench/wrk && BENCH_KEY=<enterprise key> BENCH_MIN_ID=<min> BENCH_MAX_ID=<max> \\",
         f"    wrk -t{settings['threads']} -c{settings['connections']} -d{settings['duration']}s "
         "--latency --timeout 5s -s <get|follow|pet|post|mixed>.lua http://127.0.0.1:<port><path>",
         "```",
         "",
     ]
+
+
+def render(
+    run: Run,
+    facts: dict[str, str],
+    settings: dict[str, str],
+    wall: float,
+    pictures: list[Path],
+    previous: Path | None = None,
+) -> str:
+    """The Markdown report: one section after another, those the run has numbers for."""
+    out = [
+        *introduction(run, facts, settings, wall, pictures),
+        *groups_section(run),
+        *cpu_section(run),
+        *distance_section(run),
+        *configs_section(run, settings),
+        *budget_section(run),
+        *size_section(run, settings),
+        *rss_section(run),
+        *notes_section(run),
+        *plans_section(run),
+        *commands_section(run, settings),
+    ]
     text = "\n".join(out)
     return text.replace(PREVIOUS, against_previous(text, previous))
+
+
+# --- the machine -----------------------------------------------------------------------------
+
+
+def previous_report(directory: Path) -> Path | None:
+    """The newest report in `directory` with the bare-Flask floor (read before it is replaced)."""
+    reports = sorted(directory.glob("*.md"), key=lambda each: each.stat().st_mtime)
+    found = [each for each in reports if HEADLINE in each.read_text(errors="replace")]
+    return found[-1] if found else None
+
+
+def machine_facts(conn: Conn, server_url: str | None) -> dict[str, str]:
+    """What the report says about the machine and the code (no paths, no secrets)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    version = conn.execute("show server_version").fetchone()
+
+    def output(*command: str) -> str:
+        done = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
+        )
+        return (done.stdout + done.stderr).strip()
+
+    dirty = output("git", "status", "--porcelain", "petstore", "sql", "wsgi.py", "deploy")
+    return {
+        "cpu": models[0] if models else platform.machine(),
+        "cores": str(os.cpu_count()),
+        "memory": f"{mem_kib / 2**20:.0f} GiB",
+        "postgres": f"PostgreSQL {version['server_version'].split()[0] if version else '?'}"
+        + (" (the machine's)" if server_url else " (embedded)"),
+        "python": f"Python {platform.python_version()}",
+        "wrk": "wrk " + output("wrk", "-v").split(" [")[0].split("/")[-1],
+        "commit": output("git", "rev-parse", "--short", "HEAD")
+        + (" plus uncommitted changes to the service" if dirty else ""),
+        "database": redacted(server_url) if server_url else "",
+    }
+
+
+def note_background_load(run: Run) -> None:
+    """Say how many measures ran while other processes kept the machine busy."""
+    every = [m for measures in run.rounds.values() for m in measures]
+    busy = [m.other_cpu / m.seconds for m in every if m.seconds]
+    noisy = [share for share in busy if share > 0.25]
+    if noisy:
+        run.notes.append(
+            f"Other processes on the machine used more than a quarter of a core during "
+            f"{len(noisy)} of {len(busy)} measures (up to {max(noisy):.2f} cores): those numbers "
+            "are noisy; the CPU per request (from /proc) is steadier than requests/s."
+        )
 
 
 # --- plots -------------------------------------------------------------------------------------
@@ -571,8 +712,12 @@ def plot_summary(run: Run, path: Path) -> Path:
 
 
 def plot_colors(servers: list[Server]) -> list[str]:
-    """Service dark, bare-Flask floor middle, raw floor light; blue for memory, orange for redis."""
+    """Service dark, bare-Flask floor middle, raw floor light; blue for memory, orange for redis,
+    green for redis through nginx."""
     shades = {
+        ("nginx", SERVICE): "#1b6e3a",
+        ("nginx", FLASK_FLOOR): "#4caf6e",
+        ("nginx", RAW_FLOOR): "#a5d9b5",
         ("memory", SERVICE): "#1f4e99",
         ("memory", FLASK_FLOOR): "#4f8fdb",
         ("memory", RAW_FLOOR): "#a9c8ef",
@@ -580,7 +725,7 @@ def plot_colors(servers: list[Server]) -> list[str]:
         ("redis", FLASK_FLOOR): "#f08a3c",
         ("redis", RAW_FLOOR): "#f7c79f",
     }
-    return [shades.get((s.storage, s.app), "#888888") for s in servers]
+    return [shades.get(("nginx" if s.nginx else s.storage, s.app), "#888888") for s in servers]
 
 
 def wrapped(name: str) -> str:

@@ -1,103 +1,105 @@
 """`make bench`: the service against the bare-Flask floor and the raw floor under wrk; a report.
 
-For each table size: seed the pets with COPY; start the servers of each storage (gunicorn with
-deploy/gunicorn.conf.py on free loopback ports): the service, the bare-Flask floor
-(bench/flask_floor.py) and the raw floor (bench/floor.py); check that the floors answer as the
-service does, warm each up, then run interleaved rounds of every wrk scenario of bench/wrk/ on
-every server. At the first size, also where the distance goes (the service with parts switched
-off) and the serving configurations (--configs); at the largest, the cost against table size.
-Then the in-process per-request budget (bench/inprocess.py). The report goes to stdout and to
-bench/results/<date>-<host>.md, with a PNG per size and bench/results/summary.png.
+    .venv/bin/python -m bench.run [--database-url URL] [--sizes 10000,1000000] [--rounds 8]
+    .venv/bin/python -m bench.run --configs-only        # the serving configurations alone
+    .venv/bin/python -m bench.run --in-process-only     # the budget table alone, in a minute
 
-    .venv/bin/python bench/run.py [--database-url URL] [--sizes 10000,1000000] [--rounds 8]
-    .venv/bin/python bench/run.py --in-process-only      # the budget table alone, in a minute
+For each table size: seed the pets with COPY (database.py); start the servers of each group
+(servers.py: gunicorn with deploy/gunicorn.conf.py on free loopback ports, behind the shipped
+nginx site for the headline): the service, the bare-Flask floor (bench/flask_floor.py) and the
+raw floor (bench/floor.py); check that the floors answer as the service does, warm each up, then
+run interleaved rounds of every wrk scenario of bench/wrk/ on every server (measure.py: wrk and
+the CPU of each process from /proc). The headline is the production path: redis://, the default
+serving configuration, through nginx; the same servers straight to gunicorn come second, then
+memory://. At the first size, also where the distance goes (the service with parts switched
+off) and the serving configurations through nginx; at the largest, the cost against table size.
+Then the in-process per-request budget (inprocess.py). The report (report.py) goes to stdout and
+to bench/results/<date>-<host>.md, with a PNG per size and bench/results/summary.png.
 
 Without --database-url (or DATABASE_URL) it starts the embedded PostgreSQL under var/bench-postgres
 (and stops it at the end). Either way it works in a scratch database `petstore_bench`, dropped at
-the end. Server logs go to var/bench-logs/. measure.py runs wrk and reads /proc; report.py writes.
+the end. Server logs go to var/bench-logs/.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
-import platform
-import shlex
 import signal
 import socket
-import subprocess
 import sys
-import textwrap
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
-import psycopg
 import redis
-from inprocess import budget_table, measure_budget
-from measure import (
-    GUNICORN_CONFIG,
+
+from bench.database import (
+    PAGE_LIMIT,
+    Conn,
+    Table,
+    bench_database,
+    explain_list_queries,
+    forget_new_pets,
+    pool_backends,
+    seed,
+)
+from bench.inprocess import budget_table, measure_budget
+from bench.measure import (
     ROOT,
     STARTED,
-    BenchGunicorn,
     Measure,
     Scenario,
     Target,
     combined,
-    ensure_wrk,
-    get,
+    ensure_program,
+    local_redis_pids,
     log,
     peak_rss_kib,
     run_wrk,
 )
-from psycopg import conninfo, sql
-from psycopg.rows import dict_row
-from report import (
-    FLASK_FLOOR,
-    HEADLINE,
-    RAW_FLOOR,
-    SERVICE,
+from bench.report import (
     Run,
-    Server,
+    machine_facts,
+    note_background_load,
     plot_size,
     plot_summary,
+    previous_report,
     render,
 )
+from bench.servers import (
+    FLASK_FLOOR,
+    RAW_FLOOR,
+    SERVICE,
+    Answers,
+    Running,
+    Server,
+    compare_answers,
+    sample_answers,
+    shown_command,
+    start_servers,
+)
 
-from petstore import auth, config, db
-from petstore.queries import pets
-
-LOG_DIR = ROOT / "var" / "bench-logs"
-EMBEDDED_DIR = ROOT / "var" / "bench-postgres"
-PAGE = 1000  # the deep page of the paging scenario and of the size check
-PAGE_LIMIT = 20
 SIZE_ROUNDS = 5  # at most, of the cost against table size
-# Seeded statuses, in turn: 40% available, 20% pending, 20% sold, 20% not stated (NULL).
-STATUSES = ("available", "pending", "available", "sold", None)
-# The service with flask-limiter switched off; gunicorn calls the factory (literal arguments only).
-ABLATION_APP = "petstore:create_app({'RATELIMIT_ENABLED': False})"
 
-Conn = psycopg.Connection[dict[str, Any]]
-Answers = dict[str, tuple[int, Any, str | None, bytes]]
-
-MEMORY = (
-    Server(SERVICE, "memory", 1),
-    Server(FLASK_FLOOR, "memory", 1),
-    Server(RAW_FLOOR, "memory", 1),
-)
-# With a shared storage, deploy/gunicorn.conf.py's default: sync workers, 2 per core + 1.
+# deploy/gunicorn.conf.py's default with a shared storage: sync workers, 2 per core + 1.
 SHARED_WORKERS = 2 * multiprocessing.cpu_count() + 1
-REDIS = (
-    Server(SERVICE, "redis", SHARED_WORKERS, threads=1, worker_class="sync"),
-    Server(FLASK_FLOOR, "redis", SHARED_WORKERS, threads=1, worker_class="sync"),
-    Server(RAW_FLOOR, "redis", SHARED_WORKERS, threads=1, worker_class="sync"),
+# The headline: the production path, redis:// and the default serving configuration, through
+# the shipped nginx site (one nginx per server).
+PRODUCTION = tuple(
+    Server(app, "redis", SHARED_WORKERS, threads=1, worker_class="sync", nginx=True)
+    for app in (SERVICE, FLASK_FLOOR, RAW_FLOOR)
 )
+# The same servers, wrk straight to gunicorn.
+REDIS = tuple(
+    Server(app, "redis", SHARED_WORKERS, threads=1, worker_class="sync")
+    for app in (SERVICE, FLASK_FLOOR, RAW_FLOOR)
+)
+# memory://'s default: one gthread worker × 4 threads.
+MEMORY = tuple(Server(app, "memory", 1) for app in (SERVICE, FLASK_FLOOR, RAW_FLOOR))
 # Where the distance between the service and the floors goes: parts of the service switched off.
 DISTANCE = (
     Server(RAW_FLOOR, "memory", 1),
@@ -106,31 +108,18 @@ DISTANCE = (
     Server(SERVICE, "memory", 1, without=("limiter",)),
     Server(SERVICE, "memory", 1),
 )
-# Serving configurations for 2 cores with a shared limiter storage (issue 9, target 3).
+# Serving configurations for 2 cores with redis://, through nginx (issue 20, target 1): sync
+# workers (a new connection from nginx for every request) against gthread workers, which keep
+# nginx's upstream connections alive (GUNICORN_KEEPALIVE); gunicorn's other worker classes need
+# gevent, eventlet or tornado and a psycopg that cooperates with them.
 CONFIGS = (
-    Server(SERVICE, "redis", 1, threads=4),
-    Server(SERVICE, "redis", 2, threads=4),
-    Server(SERVICE, "redis", 2, threads=2),
-    Server(SERVICE, "redis", 3, threads=1, worker_class="sync"),
-    Server(SERVICE, "redis", 4, threads=1, worker_class="sync"),
-    Server(SERVICE, "redis", 5, threads=1, worker_class="sync"),
+    Server(SERVICE, "redis", 3, threads=1, worker_class="sync", nginx=True),
+    Server(SERVICE, "redis", 5, threads=1, worker_class="sync", nginx=True),
+    Server(SERVICE, "redis", 3, threads=1, nginx=True),
+    Server(SERVICE, "redis", 5, threads=1, nginx=True),
+    Server(SERVICE, "redis", 3, threads=2, nginx=True),
+    Server(SERVICE, "redis", 2, threads=4, nginx=True),
 )
-
-
-@dataclass(frozen=True)
-class Table:
-    """The seeded pets of one size, as the scenarios need them."""
-
-    size: int
-    min_id: int
-    max_id: int
-    page: int  # the deep page: 1,000, or the middle one of a smaller table
-    cursor: int  # `after` of the deep page
-
-    @property
-    def deep_path(self) -> str:
-        """The URL path of the deep page."""
-        return f"/v1/pets?limit={PAGE_LIMIT}&after={self.cursor}"
 
 
 def scenarios(table: Table) -> list[Scenario]:
@@ -167,108 +156,24 @@ def interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-# --- the servers -------------------------------------------------------------------------------
-
-
-def server_env(server: Server, database_url: str, redis_url: str) -> dict[str, str]:
-    """The server's environment: ours without any service setting, plus the ones under test."""
-    ours = ("PETSTORE_", "RATELIMIT_", "GUNICORN_")
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if not name.startswith(ours) and name not in ("WEB_CONCURRENCY", "BIND", "DATABASE_URL")
-    }
-    env.update(
-        DATABASE_URL=database_url,
-        RATELIMIT_STORAGE_URI="memory://" if server.storage == "memory" else redis_url,
-        WEB_CONCURRENCY=str(server.workers),
-        PETSTORE_THREADS=str(server.threads),
-        GUNICORN_WORKER_CLASS=server.worker_class,
-    )
-    if "request log" in server.without:
-        env["PETSTORE_LOG_LEVEL"] = "warning"  # the request log is written at info
-    return env
-
-
-def server_app(server: Server) -> list[str]:
-    """gunicorn's app argument (and the path it needs) for a server."""
-    if server.app == RAW_FLOOR:
-        return ["--pythonpath", "bench", "floor:create_floor()"]
-    if server.app == FLASK_FLOOR:
-        return ["--pythonpath", "bench", "flask_floor:create_flask_floor()"]
-    if "limiter" in server.without:
-        return [ABLATION_APP]
-    return ["wsgi:app"]
-
-
-def shown_command(server: Server, env: dict[str, str]) -> str:
-    """The server's command line for the report: no paths, no secrets."""
-    settings = (
-        "RATELIMIT_STORAGE_URI",
-        "WEB_CONCURRENCY",
-        "PETSTORE_THREADS",
-        "GUNICORN_WORKER_CLASS",
-        "PETSTORE_LOG_LEVEL",
-    )
-    command = [".venv/bin/python", "-m", "gunicorn", "-c", GUNICORN_CONFIG, *server_app(server)]
-    shown = " ".join(
-        f"{name}={env[name] if name != 'RATELIMIT_STORAGE_URI' or env[name] == 'memory://' else 'redis://...'}"
-        for name in settings
-        if name in env
-    )
-    return f"DATABASE_URL=<bench database> BIND=127.0.0.1:<port> {shown} {shlex.join(command)}"
-
-
-def start_servers(
-    args: argparse.Namespace,
+def started(
     stack: contextlib.ExitStack,
     servers: tuple[Server, ...],
     database_url: str,
+    redis_url: str,
     table: Table,
     run: Run,
-) -> dict[Server, BenchGunicorn]:
-    """Start each server on a free port, stopped when `stack` closes; note its command."""
-    masters: dict[Server, BenchGunicorn] = {}
+) -> dict[Server, Running]:
+    """Start the servers (stopped when `stack` closes) and note their commands for the report."""
     for server in servers:
-        env = server_env(server, database_url, args.redis_url)
-        run.commands.setdefault(server.label, shown_command(server, env))
-        name = f"{table.size}-{server.label}".replace(" ", "-").replace("://", "").replace("×", "x")
-        log_path = LOG_DIR / f"{name}.log"
-        gunicorn = BenchGunicorn(server_app(server), env, log_path, server.workers, server.threads)
-        masters[server] = stack.enter_context(gunicorn)
-    return masters
-
-
-def sample_answers(port: int, key: str, table: Table) -> Answers:
-    """Status, parsed JSON, Link header and raw body of a few requests."""
-    paths = [
-        "/v1/pets?limit=20",
-        "/v1/pets?limit=100&status=available",
-        table.deep_path,
-        f"/v1/pets/{table.min_id}",
-        "/v1/pets/0",
-    ]
-    answers = {}
-    for path in paths:
-        status, headers, body = get(port, path, key)
-        answers[path] = (status, json.loads(body), headers.get("Link"), body)
-    return answers
-
-
-def compare_answers(reference: Answers, answers: Answers, label: str, run: Run) -> None:
-    """Note where a server answers differently from the service (status, JSON, Link, bytes)."""
-    for path, (status, body, link, raw) in answers.items():
-        want = reference[path]
-        if status != want[0] or (status < 400 and (body, link) != want[1:3]):
-            run.notes.append(f"{label} answers `{path}` unlike the service: {status} {raw[:100]!r}")
-        elif status < 400 and raw != want[3]:
-            run.notes.append(f"{label}: the same JSON as the service for `{path}`, other bytes")
+        run.commands.setdefault(server.label, shown_command(server))
+    return start_servers(stack, servers, database_url, redis_url, str(table.size))
 
 
 def check_and_warm_up(
     args: argparse.Namespace,
     conn: Conn,
-    masters: dict[Server, BenchGunicorn],
+    masters: dict[Server, Running],
     key: str,
     table: Table,
     run: Run,
@@ -283,11 +188,12 @@ def check_and_warm_up(
     targets: dict[Server, Target] = {}
     reference: Answers = {}
     for server, running in masters.items():
-        answers = sample_answers(running.port, key, table)
+        answers = sample_answers(running.port, key, [*table.sample_paths])
         if reference:
-            compare_answers(reference, answers, f"{server.label} ({table.size:,} pets)", run)
+            label = f"{server.label} ({table.size:,} pets)"
+            run.notes += compare_answers(reference, answers, label)
         reference = reference or answers
-        targets[server] = Target(running.port, running.worker_pids(), wrk_env)
+        targets[server] = Target(running.port, running.app_pids, running.nginx_pids, wrk_env)
         warm_up = Scenario("warm-up", "mixed.lua", "/v1/pets")
         run_wrk(targets[server], warm_up, args.warmup, args.connections, args.threads)
         forget_new_pets(conn, table)
@@ -304,6 +210,7 @@ def interleaved(
     keep: Callable[[Server, Scenario, Measure], None],
 ) -> None:
     """`rounds` rounds, each running every scenario on every server in turn."""
+    redis_pids = local_redis_pids(args.redis_url)
     for number in range(rounds):
         log(f"{table.size:>9,} pets  round {number + 1} of {rounds}")
         for scenario in chosen:
@@ -315,6 +222,7 @@ def interleaved(
                     args.connections,
                     args.threads,
                     pool_backends(conn),
+                    redis_pids if server.storage == "redis" else None,
                 )
                 keep(server, scenario, measure)
                 if scenario.writes:
@@ -338,12 +246,13 @@ def bench_group(
     key: str,
     table: Table,
     servers: tuple[Server, ...],
+    rounds: int,
     run: Run,
 ) -> None:
-    """The service and both floors of one storage: interleaved rounds of every scenario."""
+    """The service and both floors of one group: interleaved rounds of every scenario."""
     redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
     with contextlib.ExitStack() as stack:
-        masters = start_servers(args, stack, servers, database_url, table, run)
+        masters = started(stack, servers, database_url, args.redis_url, table, run)
         targets = check_and_warm_up(args, conn, masters, key, table, run)
 
         def keep(server: Server, scenario: Scenario, measure: Measure) -> None:
@@ -353,7 +262,7 @@ def bench_group(
                     f"{server.label}, {table.size:,} pets, {scenario.name}: {measure.errors} errors"
                 )
 
-        interleaved(args, conn, table, targets, scenarios(table), args.rounds, keep)
+        interleaved(args, conn, table, targets, scenarios(table), rounds, keep)
         for scenario in scenarios(table):
             for server in servers:
                 say(
@@ -380,7 +289,7 @@ def where_the_distance_goes(
     run.distance_servers = DISTANCE
     run.distance_size = table.size
     side_by_side(
-        args, conn, database_url, key, table, run, DISTANCE, reads, args.rounds, run.distance
+        args, conn, database_url, key, table, run, DISTANCE, reads, args.second_rounds, run.distance
     )
 
 
@@ -409,7 +318,7 @@ def side_by_side(
     """Start `servers`, run `rounds` interleaved rounds of `chosen` on them, keep each measure
     in `into` by (scenario, server label), and say how each did."""
     with contextlib.ExitStack() as stack:
-        masters = start_servers(args, stack, servers, database_url, table, run)
+        masters = started(stack, servers, database_url, args.redis_url, table, run)
         targets = check_and_warm_up(args, conn, masters, key, table, run)
 
         def keep(server: Server, scenario: Scenario, measure: Measure) -> None:
@@ -443,152 +352,14 @@ def check_sizes(
         )
 
 
-# --- database ----------------------------------------------------------------------------------
-
-
-def redacted(url: str) -> str:
-    """A libpq URL or conninfo as a URL without its password, for the report."""
-    params = conninfo.conninfo_to_dict(url)
-    user = f"{params['user']}@" if params.get("user") else ""
-    port = f":{params['port']}" if params.get("port") else ""
-    return f"postgresql://{user}{params.get('host', '')}{port}/{params.get('dbname', '')}"
-
-
-def create_database(server_url: str, name: str) -> str:
-    """Create the scratch database afresh on the server; return its conninfo."""
-    drop_database(server_url, name)
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
-    return conninfo.make_conninfo(server_url, dbname=name)
-
-
-def drop_database(server_url: str, name: str) -> None:
-    """Drop the scratch database if it is there."""
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name))
-        )
-
-
-def seed(conn: Conn, size: int) -> Table:
-    """Replace the pets with `size` new ones (COPY), statuses mixed; vacuum, analyze, describe."""
-    conn.execute("truncate pets restart identity")
-    with conn.cursor().copy("copy pets (name, category_id, status) from stdin") as copy:
-        for number in range(size):
-            copy.write_row((f"pet {number}", number % 100 + 1, STATUSES[number % len(STATUSES)]))
-    conn.execute("vacuum analyze pets")
-    bounds = conn.execute("select min(id) as low, max(id) as high from pets").fetchone()
-    page = max(2, min(PAGE, size // PAGE_LIMIT // 2))
-    cursor = conn.execute(
-        "select id from pets order by id offset %s limit 1", [(page - 1) * PAGE_LIMIT - 1]
-    ).fetchone()
-    assert bounds is not None and cursor is not None
-    return Table(size, bounds["low"], bounds["high"], page, cursor["id"])
-
-
-def forget_new_pets(conn: Conn, table: Table) -> None:
-    """Delete the pets the benchmark created, so that every run sees the seeded table."""
-    if conn.execute("delete from pets where id > %s", [table.max_id]).rowcount:
-        conn.execute("vacuum pets")
-
-
-def pool_backends(conn: Conn) -> list[int] | None:
-    """Pids of the servers' PostgreSQL backends, or None when they are not on this machine."""
-    rows = conn.execute(
-        """
-        select pid
-          from pg_stat_activity
-         where datname = current_database()
-           and application_name = 'petstore'
-        """
-    ).fetchall()
-    pids = [row["pid"] for row in rows]
-    return pids if pids and all(Path(f"/proc/{pid}/stat").exists() for pid in pids) else None
-
-
-class Captured(Exception):
-    """Carries the statement a query function tried to run."""
-
-    def __init__(self, query: Any, params: Any) -> None:
-        super().__init__("captured")
-        self.query = query
-        self.params = params
-
-
-class StatementRecorder:
-    """Stands in for a connection: stops a query function at its first statement, keeping it."""
-
-    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        """Raise the statement instead of running it."""
-        raise Captured(query, params)
-
-
-def explain(conn: Conn, query_function: Callable[..., Any], **kwargs: Any) -> tuple[str, str]:
-    """(SQL text and parameters, EXPLAIN (ANALYZE, BUFFERS) output) of a query function."""
-    try:
-        query_function(StatementRecorder(), **kwargs)
-    except Captured as captured:
-        query, params = captured.query, captured.params
-    else:
-        raise RuntimeError(f"{query_function.__name__} ran no statement")
-    prefix = "explain (analyze, buffers) "
-    statement = sql.SQL(prefix) + query if isinstance(query, sql.Composable) else prefix + query
-    plan = "\n".join(row["QUERY PLAN"] for row in conn.execute(statement, params).fetchall())
-    text = query.as_string(conn) if isinstance(query, sql.Composable) else query
-    return f"{textwrap.dedent(text).strip()}\n-- parameters: {params}", plan
-
-
-def explain_list_queries(conn: Conn, table: Table) -> list[tuple[str, str, str]]:
-    """The plans of the three list queries the size check is about."""
-    return [
-        (
-            f"first page (limit={PAGE_LIMIT})",
-            *explain(conn, pets.list_pets, after=0, limit=PAGE_LIMIT),
-        ),
-        (
-            f"page {table.page:,} (limit={PAGE_LIMIT})",
-            *explain(conn, pets.list_pets, after=table.cursor, limit=PAGE_LIMIT),
-        ),
-        (
-            "filtered page (status=available, limit=100)",
-            *explain(conn, pets.list_pets_by_status, status="available", after=0, limit=100),
-        ),
-    ]
-
-
-@contextlib.contextmanager
-def bench_database(args: argparse.Namespace) -> Iterator[tuple[str, str, str, Conn]]:
-    """(server URL, database URL, enterprise key, admin connection) of a fresh scratch database."""
-    with contextlib.ExitStack() as cleanup:
-        server_url = args.database_url
-        if server_url is None:
-            from petstore import embedded
-
-            cleanup.callback(embedded.stop, EMBEDDED_DIR)
-            log(f"starting the embedded PostgreSQL in var/{EMBEDDED_DIR.name}")
-            server_url = embedded.ensure_running(EMBEDDED_DIR)
-        database_url = create_database(server_url, args.scratch_database)
-        cleanup.callback(drop_database, server_url, args.scratch_database)
-        with db.connect(config.from_environ({"DATABASE_URL": database_url})) as setup:
-            db.upgrade(setup)
-            key, _row = auth.issue_key(setup, "enterprise", "bench", 10**9, 10**9)
-        conn = cleanup.enter_context(
-            psycopg.connect(
-                database_url,
-                autocommit=True,
-                row_factory=dict_row,
-                application_name="petstore-bench",
-            )
-        )
-        yield server_url, database_url, key, conn
-
-
 # --- the run -----------------------------------------------------------------------------------
 
 
 def parse_args() -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run", description=(__doc__ or "").splitlines()[0]
+    )
     parser.add_argument(
         "--database-url",
         default=os.environ.get("DATABASE_URL") or None,
@@ -620,10 +391,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--connections", type=int, default=8, help="wrk connections (default 8)")
     parser.add_argument("--threads", type=int, default=1, help="wrk threads (default 1)")
     parser.add_argument(
+        "--second-rounds",
+        type=int,
+        default=4,
+        help="rounds of the tables after the headline and memory:// at the first size: redis:// "
+        "straight to gunicorn, memory:// at the larger sizes, where the distance goes (default 4)",
+    )
+    parser.add_argument(
         "--configs",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="run the serving configurations table (default: on)",
+        help="run the serving configurations table through nginx (default: on)",
+    )
+    parser.add_argument(
+        "--configs-only",
+        action="store_true",
+        help="only the serving configurations through nginx, at the first size, into "
+        "<date>-<host>-configs.md",
     )
     parser.add_argument(
         "--config-rounds", type=int, default=4, help="rounds of the configurations (default 4)"
@@ -643,8 +427,9 @@ def parse_args() -> argparse.Namespace:
         "--output", type=Path, default=ROOT / "bench" / "results", help="report directory"
     )
     args = parser.parse_args()
-    if args.duration < 1 or args.warmup < 1 or args.rounds < 1 or args.config_rounds < 1:
-        parser.error("--duration, --warmup, --rounds, --config-rounds: at least 1")
+    counts = (args.duration, args.warmup, args.rounds, args.second_rounds, args.config_rounds)
+    if min(counts) < 1:
+        parser.error("--duration, --warmup, --rounds, --second-rounds, --config-rounds: at least 1")
     if min(args.sizes) < 2 * PAGE_LIMIT:
         parser.error(f"--sizes: at least {2 * PAGE_LIMIT} pets")
     return args
@@ -657,6 +442,8 @@ def main() -> int:
     try:
         if args.in_process_only:
             return in_process_only(args)
+        if args.configs_only:
+            return configs_only(args)
         return bench(args)
     except KeyboardInterrupt:
         log("interrupted: stopped what the run had started")
@@ -687,13 +474,34 @@ def in_process_only(args: argparse.Namespace) -> int:
     return 0
 
 
+def configs_only(args: argparse.Namespace) -> int:
+    """Seed the smallest size, measure the serving configurations through nginx, report them."""
+    for program in ("wrk", "nginx"):
+        ensure_program(program)
+    run = Run(sizes=[min(args.sizes)])
+    with bench_database(args) as (_server_url, database_url, key, conn):
+        log(f"seeding {min(args.sizes):,} pets (COPY)")
+        table = seed(conn, min(args.sizes))
+        run.pages[table.size] = table.page
+        serving_configs(args, conn, database_url, key, table, run)
+        facts = machine_facts(conn, args.database_url)
+    note_background_load(run)
+    write_report(args, run, facts)
+    return 0
+
+
 def bench(args: argparse.Namespace) -> int:
     """Set up, measure, write the report; stop what was started, however it ends."""
-    ensure_wrk()
+    for program in ("wrk", "nginx"):
+        ensure_program(program)
     run = Run(sizes=args.sizes)
     run.groups = [
+        (
+            f"production path: nginx, redis:// — {PRODUCTION[0].label} against the floors",
+            PRODUCTION,
+        ),
+        (f"redis:// straight to gunicorn — {REDIS[0].label} against the floors", REDIS),
         (f"memory:// — {MEMORY[0].label} against the floors", MEMORY),
-        (f"redis:// — {REDIS[0].label} against the floors", REDIS),
     ]
     with bench_database(args) as (server_url, database_url, key, conn):
         for size in args.sizes:
@@ -702,8 +510,10 @@ def bench(args: argparse.Namespace) -> int:
             run.pages[size] = table.page
             run.scenario_names = [s.name for s in scenarios(table)]
             first = size == min(args.sizes)
-            for _title, servers in run.groups if first else run.groups[:1]:
-                bench_group(args, conn, database_url, key, table, servers, run)
+            for _title, servers in run.groups if first else run.groups[-1:]:
+                headline = servers == PRODUCTION or (first and servers == MEMORY)
+                rounds = args.rounds if headline else args.second_rounds
+                bench_group(args, conn, database_url, key, table, servers, rounds, run)
             if first:
                 where_the_distance_goes(args, conn, database_url, key, table, run)
                 if args.configs:
@@ -728,19 +538,23 @@ def write_report(args: argparse.Namespace, run: Run, facts: dict[str, str]) -> N
     """The Markdown report and its plots, beside each other in --output."""
     args.output.mkdir(parents=True, exist_ok=True)
     stem = f"{time.strftime('%Y-%m-%d')}-{socket.gethostname()}"
-    pictures = [plot_size(run, size, args.output / f"{stem}-{size}.png") for size in args.sizes]
-    pictures.insert(0, plot_summary(run, args.output / "summary.png"))
+    pictures = []
+    if run.groups:
+        pictures = [plot_size(run, size, args.output / f"{stem}-{size}.png") for size in run.sizes]
+        pictures.insert(0, plot_summary(run, args.output / "summary.png"))
     invocation = (
-        f".venv/bin/python bench/run.py --sizes {','.join(str(size) for size in args.sizes)} "
-        f"--duration {args.duration} --rounds {args.rounds} --warmup {args.warmup} "
+        f".venv/bin/python -m bench.run --sizes {','.join(str(size) for size in run.sizes)} "
+        f"--duration {args.duration} --rounds {args.rounds} --second-rounds {args.second_rounds} "
+        f"--config-rounds {args.config_rounds} --warmup {args.warmup} "
         f"--connections {args.connections} --threads {args.threads}"
         + ("" if args.configs else " --no-configs")
-        + "    # make bench runs it with the defaults"
+        + (" --configs-only" if args.configs_only else "    # make bench runs the defaults")
     )
     settings = {
         "threads": str(args.threads),
         "connections": str(args.connections),
         "rounds": str(args.rounds),
+        "config_rounds": str(args.config_rounds),
         "duration": str(args.duration),
         "warmup": str(args.warmup),
         "invocation": (f"DATABASE_URL={facts['database']} " if facts["database"] else "")
@@ -748,61 +562,14 @@ def write_report(args: argparse.Namespace, run: Run, facts: dict[str, str]) -> N
         "size_service": MEMORY[0].label,
         "size_floor": MEMORY[2].label,
     }
-    path = args.output / f"{stem}.md"
+    path = args.output / f"{stem}{'-configs' if args.configs_only else ''}.md"
     previous = previous_report(args.output)
     report = render(run, facts, settings, time.monotonic() - STARTED, pictures, previous)
     path.write_text(report)
     print(f"\n{report}")
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-    log(f"report written to {shown}, plots beside it ({', '.join(p.name for p in pictures)})")
-
-
-def previous_report(directory: Path) -> Path | None:
-    """The newest report in `directory` with the bare-Flask floor (read before it is replaced)."""
-    reports = sorted(directory.glob("*.md"), key=lambda each: each.stat().st_mtime)
-    found = [each for each in reports if HEADLINE in each.read_text(errors="replace")]
-    return found[-1] if found else None
-
-
-def machine_facts(conn: Conn, server_url: str | None) -> dict[str, str]:
-    """What the report says about the machine and the code (no paths, no secrets)."""
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
-    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
-    version = conn.execute("show server_version").fetchone()
-
-    def output(*command: str) -> str:
-        done = subprocess.run(
-            command, cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
-        )
-        return (done.stdout + done.stderr).strip()
-
-    dirty = output("git", "status", "--porcelain", "petstore", "sql", "wsgi.py", "deploy")
-    return {
-        "cpu": models[0] if models else platform.machine(),
-        "cores": str(os.cpu_count()),
-        "memory": f"{mem_kib / 2**20:.0f} GiB",
-        "postgres": f"PostgreSQL {version['server_version'].split()[0] if version else '?'}"
-        + (" (the machine's)" if server_url else " (embedded)"),
-        "python": f"Python {platform.python_version()}",
-        "wrk": "wrk " + output("wrk", "-v").split(" [")[0].split("/")[-1],
-        "commit": output("git", "rev-parse", "--short", "HEAD")
-        + (" plus uncommitted changes to the service" if dirty else ""),
-        "database": redacted(server_url) if server_url else "",
-    }
-
-
-def note_background_load(run: Run) -> None:
-    """Say how many measures ran while other processes kept the machine busy."""
-    every = [m for measures in run.rounds.values() for m in measures]
-    busy = [m.other_cpu / m.seconds for m in every if m.seconds]
-    noisy = [share for share in busy if share > 0.25]
-    if noisy:
-        run.notes.append(
-            f"Other processes on the machine used more than a quarter of a core during "
-            f"{len(noisy)} of {len(busy)} measures (up to {max(noisy):.2f} cores): those numbers "
-            "are noisy; the CPU per request (from /proc) is steadier than requests/s."
-        )
+    plots = f", plots beside it ({', '.join(p.name for p in pictures)})" if pictures else ""
+    log(f"report written to {shown}{plots}")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,17 @@ def _str(text: str) -> str:
     return text
 
 
+SWITCH = {"on": True, "true": True, "yes": True, "1": True}
+SWITCH |= {"off": False, "false": False, "no": False, "0": False}
+
+
+def _switch(text: str) -> bool:
+    """On or off, in any case."""
+    if text.lower() not in SWITCH:
+        raise ValueError("expected on or off (also true/false, yes/no, 1/0)")
+    return SWITCH[text.lower()]
+
+
 def _database_url(text: str) -> str:
     """A libpq connection string: a postgresql:// URL or key=value pairs."""
     try:
@@ -180,6 +191,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_STAGING_BASE_URL": ("STAGING_BASE_URL", _http_url, None),
     "RATELIMIT_STORAGE_URI": ("RATELIMIT_STORAGE_URI", _storage_uri, "memory://"),
     "PETSTORE_RATELIMIT_STRATEGY": ("RATELIMIT_STRATEGY", _strategy, "fixed-window"),
+    # Off: the limits library's own storages instead of petstore.storages (the bench compares).
+    "PETSTORE_RATELIMIT_TUNED_STORAGES": ("RATELIMIT_TUNED_STORAGES", _switch, True),
     "PETSTORE_IP_LIMITS": ("IP_LIMITS", _limits, "60/minute;1000/day"),
     "PETSTORE_ANONYMOUS_CLIENTS": ("ANONYMOUS_CLIENTS", _int(1), 10_000),
     "PETSTORE_BAN_THRESHOLD": ("BAN_THRESHOLD", _int(1), 10),

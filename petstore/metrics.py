@@ -283,7 +283,9 @@ def build(operation_ids: Mapping[str, str]) -> Metrics:
             registry=None,
             multiprocess_mode="livemax",
         ),
-        registry=CollectorRegistry(auto_describe=True),
+        # Not auto_describe: registering the multiprocess collector would read every worker's
+        # file, and fail on the empty one a worker booting beside it has just created.
+        registry=CollectorRegistry(),
         operations={**operation_ids, **OTHER_ENDPOINTS},
     )
     # Known series start at zero, so that rate() and increase() see their first increment.

@@ -61,7 +61,7 @@ def init_app(app: Flask) -> None:
         # Unused: the pipeline says whose budget a request spends (count).
         get_remote_address,
         storage_uri=storages.storage_uri(
-            config["RATELIMIT_STORAGE_URI"], config.get("RATELIMIT_TUNED_STORAGES", True)
+            config["RATELIMIT_STORAGE_URI"], config["RATELIMIT_TUNED_STORAGES"]
         ),
         storage_options=storage_options(config),
         strategy=config["RATELIMIT_STRATEGY"],

@@ -9,10 +9,10 @@ from collections.abc import Callable
 import pytest
 from flask.testing import FlaskClient
 
-from conftest import count_pets
 from petstore import auth, db
 from petstore.queries import keys
-from support.checks import assert_error
+from tests.conftest import count_pets
+from tests.support.checks import assert_error
 
 REALM = 'Bearer realm="petstore"'
 INVALID_TOKEN = 'Bearer realm="petstore", error="invalid_token"'

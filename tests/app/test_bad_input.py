@@ -10,10 +10,10 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from conftest import count_pets
 from petstore import db
 from petstore.queries import pets
-from support.checks import assert_error, post_chunked
+from tests.conftest import count_pets
+from tests.support.checks import assert_error, post_chunked
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)

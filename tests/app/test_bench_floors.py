@@ -6,22 +6,17 @@ without running the benchmark: status, body bytes and Link, and the bare-Flask f
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from flask import Flask
 from werkzeug.test import Client
 
+from bench.flask_floor import create_flask_floor
+from bench.floor import create_floor
 from petstore import config, db
 from petstore.queries import pets
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from flask_floor import create_flask_floor
-from floor import create_floor
 
 PATHS = (
     "/v1/pets?limit=2",

@@ -18,7 +18,7 @@ from flask.testing import FlaskClient
 
 from petstore import db
 from petstore.cli import main
-from support.databases import empty_database
+from tests.support.databases import empty_database
 
 KEY = re.compile(r"ps_[A-Za-z0-9_-]{43}")
 PETSTORE = Path(sys.executable).parent / "petstore"

@@ -12,9 +12,9 @@ from flask import Flask
 from flask.testing import FlaskClient
 from gunicorn.http import errors as http_errors
 
-from conftest import count_pets
 from petstore import db
-from support.checks import assert_error, post_chunked
+from tests.conftest import count_pets
+from tests.support.checks import assert_error, post_chunked
 
 PET = b'{"name": "Rex", "categoryId": 1}'
 

@@ -10,10 +10,10 @@ import pytest
 from click.testing import CliRunner
 from flask import Flask
 
-from conftest import count_pets
 from petstore import db
 from petstore.cli import main as cli
-from support.checks import assert_error
+from tests.conftest import count_pets
+from tests.support.checks import assert_error
 
 REX = {"name": "Rex", "categoryId": 1, "status": "available"}
 

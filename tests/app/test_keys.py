@@ -13,11 +13,11 @@ from click.testing import CliRunner, Result
 from flask import Flask
 from flask.testing import FlaskClient
 
-from conftest import count_pets
 from petstore import db
 from petstore.auth import needs_scope
 from petstore.cli import main
-from support.checks import assert_error
+from tests.conftest import count_pets
+from tests.support.checks import assert_error
 
 KEY = re.compile(r"ps_[A-Za-z0-9_-]{43}")
 INSUFFICIENT_SCOPE = 'Bearer realm="petstore", error="insufficient_scope", scope="write"'

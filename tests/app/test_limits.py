@@ -13,7 +13,7 @@ from werkzeug.test import TestResponse
 
 from petstore import db
 from petstore.cli import main as cli
-from support.checks import assert_error, every_status
+from tests.support.checks import assert_error, every_status
 
 RATE_HEADERS = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
 

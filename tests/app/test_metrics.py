@@ -14,13 +14,15 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 from prometheus_client import Counter, Histogram
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from petstore import config, create_app, metrics, openapi, views
 from petstore.config import ConfigError
 from petstore.db import get_conn
-from support.checks import assert_error
-from support.servers import LOOPBACK, free_port, poll_until
+from tests.support.checks import assert_error
+from tests.support.servers import LOOPBACK, free_port, poll_until
 
 IN_USE = "petstore_db_pool_connections_in_use"
 Scrape = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -337,3 +339,19 @@ def test_metrics_without_allow_list_answer_anyone(make_app: Callable[..., Flask]
 def test_metrics_allow_list_refuses_what_is_no_network(text: str) -> None:
     with pytest.raises(ConfigError, match="PETSTORE_METRICS_ALLOW=.*CIDR"):
         config.from_environ({"PETSTORE_METRICS_ALLOW": text})
+
+
+def test_a_worker_boots_beside_one_whose_file_is_still_empty(tmp_path: Path) -> None:
+    """Workers boot at once: one may find another's metrics file created but not yet written."""
+    empty = tmp_path / "counter_4242.db"
+    empty.write_bytes(b"")
+    written = MmapedDict(str(tmp_path / "counter_4343.db"))
+    key = mmap_key("petstore_bans", "petstore_bans_total", [], [], "Bans.")
+    written.write_value(key, 3.0, 0.0)
+    written.close()
+
+    registry = metrics.build({}).registry
+    MultiProcessCollector(registry, path=str(tmp_path))
+    empty.unlink()  # that worker has written its file by the first scrape
+
+    assert registry.get_sample_value("petstore_bans_total") == 3.0

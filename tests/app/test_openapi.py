@@ -18,7 +18,7 @@ from openapi_spec_validator import validate
 from openapi_spec_validator.readers import read_from_filename
 
 from petstore import openapi, schemas
-from support.checks import assert_error
+from tests.support.checks import assert_error
 
 PETSTORE = Path(sys.executable).parent / "petstore"
 RATE_LIMIT_HEADERS = {"X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}

@@ -15,7 +15,7 @@ from flask import Flask, g
 from flask.testing import FlaskClient
 
 from petstore import db, schemas
-from support.checks import assert_error, post_chunked
+from tests.support.checks import assert_error, post_chunked
 
 SUNSET_HTTP_DATE = "Thu, 05 Dec 2030 00:00:00 GMT"
 SUNSET_UNIX = calendar.timegm((2030, 12, 5, 0, 0, 0))

@@ -12,7 +12,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from petstore.cli import main
-from support.checks import assert_error
+from tests.support.checks import assert_error
 
 
 def bearer(key: str) -> dict[str, str]:

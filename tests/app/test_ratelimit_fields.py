@@ -11,7 +11,7 @@ import http_sf
 from flask import Flask
 from werkzeug.test import TestResponse
 
-from support.checks import every_status
+from tests.support.checks import every_status
 
 FIELDS = ("RateLimit-Policy", "RateLimit")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask.testing import FlaskClient
 
-from support.checks import assert_error
+from tests.support.checks import assert_error
 
 
 def test_root_points_to_the_docs_and_the_document(client: FlaskClient) -> None:

@@ -12,8 +12,8 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from support.nginx import DeployedGunicorn
-from support.servers import RedisServer, Service
+from tests.support.nginx import DeployedGunicorn
+from tests.support.servers import RedisServer, Service
 
 
 def ip(*args: str) -> None:

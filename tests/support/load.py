@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from petstore import db
-from support.checks import Answer, call
+from tests.support.checks import Answer, call
 
 CLIENTS = 16
 HTTP_TIMEOUT = 15.0

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from support.servers import (
+from tests.support.servers import (
     LOOPBACK,
     Gunicorn,
     ServerFailed,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from support.servers import LOOPBACK, ServerProcess, poll_until
+from tests.support.servers import LOOPBACK, ServerProcess, poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRAPE_CONFIG = ROOT / "deploy" / "prometheus.yml"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from support.servers import LOOPBACK, ROOT, Gunicorn, free_port
+from tests.support.servers import LOOPBACK, ROOT, Gunicorn, free_port
 
 BIN = Path(sys.executable).parent
 GOOD_URL = "postgresql://postgres@127.0.0.1:1/petstore"  # a valid URL; these never connect

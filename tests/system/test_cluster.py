@@ -14,9 +14,15 @@ import redis.cluster
 
 from petstore import auth, config, db
 from petstore.ratelimit import storages
-from support.checks import call
-from support.databases import empty_database
-from support.servers import Gunicorn, RedisClusterNode, poll_until, redis_command, redis_fields
+from tests.support.checks import call
+from tests.support.databases import empty_database
+from tests.support.servers import (
+    Gunicorn,
+    RedisClusterNode,
+    poll_until,
+    redis_command,
+    redis_fields,
+)
 
 NODES = 3
 FREE_PER_MINUTE = 60

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from conftest import TEST_REDIS_URL, count_pets
 from petstore import db
-from support.checks import (
+from tests.conftest import TEST_REDIS_URL, count_pets
+from tests.support.checks import (
     assert_banned,
     assert_error,
     call,
@@ -25,8 +25,8 @@ from support.checks import (
     raw,
     retry_after,
 )
-from support.nginx import Deployment, Nginx, deploy
-from support.servers import LOOPBACK, SilentServer, free_port, poll_until
+from tests.support.nginx import Deployment, Nginx, deploy
+from tests.support.servers import LOOPBACK, SilentServer, free_port, poll_until
 
 FREE_PER_MINUTE = 60
 IP_PER_MINUTE = 5

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from petstore import auth, config, db, devserver
-from support.checks import Answer, call
-from support.nginx import DeployedGunicorn, Nginx
-from support.servers import (
+from tests.support.checks import Answer, call
+from tests.support.nginx import DeployedGunicorn, Nginx
+from tests.support.servers import (
     PgBouncer,
     RedisReplica,
     RedisSentinel,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ import pytest
 import requests
 
 from petstore import db
-from support.servers import Gunicorn
+from tests.support.servers import Gunicorn
 
 GENERATOR = Path(sys.executable).parent / "openapi-python-client"
 PACKAGE = "animal_store_client"
@@ -62,11 +63,18 @@ def client_package(server: Gunicorn, tmp_path: Path) -> Iterator[ModuleType]:
     assert generated.returncode == 0, generated.stdout + generated.stderr
     # The generator reports what it could not translate as warnings; there must be none.
     assert "Warning" not in generated.stdout + generated.stderr, generated.stdout + generated.stderr
-    sys.path.insert(0, str(tmp_path / "generated"))
+    # Imported from where it was written, as a package, leaving the import path as it is.
+    package_dir = tmp_path / "generated" / PACKAGE
+    spec = importlib.util.spec_from_file_location(
+        PACKAGE, package_dir / "__init__.py", submodule_search_locations=[str(package_dir)]
+    )
+    assert spec is not None and spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[PACKAGE] = package
     try:
-        yield importlib.import_module(PACKAGE)
+        spec.loader.exec_module(package)
+        yield package
     finally:
-        sys.path.remove(str(tmp_path / "generated"))
         for name in [name for name in sys.modules if name.split(".")[0] == PACKAGE]:
             del sys.modules[name]
 

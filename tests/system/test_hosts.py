@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import pytest
 
 from petstore import auth, config, db
-from support.checks import call
-from support.databases import empty_database
-from support.hosts import HostGunicorn, Hosts, SharedRedis
-from support.load import MixedLoad
-from support.nginx import Nginx
-from support.servers import PgBouncer, poll_until
+from tests.support.checks import call
+from tests.support.databases import empty_database
+from tests.support.hosts import HostGunicorn, Hosts, SharedRedis
+from tests.support.load import MixedLoad
+from tests.support.nginx import Nginx
+from tests.support.servers import PgBouncer, poll_until
 
 APPS = ("app1", "app2")
 LINKS = [("", "nginx"), ("", "app1"), ("", "app2"), ("nginx", "app1"), ("nginx", "app2")]

@@ -25,8 +25,8 @@ import psycopg
 import pytest
 from psycopg import conninfo, sql
 
-from support.nginx import Nginx, nginx_binary
-from support.servers import LOOPBACK, ROOT, free_port, poll_until
+from tests.support.nginx import Nginx, nginx_binary
+from tests.support.servers import LOOPBACK, ROOT, free_port, poll_until
 
 SCRIPT = ROOT / "deploy" / "install.sh"
 

@@ -18,7 +18,7 @@ import redis
 from flask import Flask
 
 from petstore import db
-from support.checks import (
+from tests.support.checks import (
     Answer,
     assert_banned,
     assert_error,
@@ -28,7 +28,7 @@ from support.checks import (
     rate_limit_numbers,
     retry_after,
 )
-from support.servers import (
+from tests.support.servers import (
     ACCESS_PID_FORMAT,
     Gunicorn,
     RedisServer,

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from petstore import db, embedded
-from support.servers import LOOPBACK, ROOT, Gunicorn, free_port
+from tests.support.servers import LOOPBACK, ROOT, Gunicorn, free_port
 
 PETSTORE = Path(sys.executable).parent / "petstore"
 KEY_LINE = re.compile(r"^  KEY=(ps_[A-Za-z0-9_-]{43})$", re.MULTILINE)

@@ -14,7 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from support.databases import empty_database
+from tests.support.databases import empty_database
 
 ROOT = Path(__file__).resolve().parents[2]
 MIGRATION = re.compile(r"^\d{4}_[a-z0-9_]+\.sql$")

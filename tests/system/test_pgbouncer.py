@@ -22,12 +22,12 @@ import psycopg
 import pytest
 import redis
 
-from conftest import TEST_REDIS_URL
 from petstore import auth, config, db
-from support.checks import call
-from support.databases import empty_database
-from support.load import MixedLoad
-from support.servers import ROOT, Gunicorn, PgBouncer, poll_until
+from tests.conftest import TEST_REDIS_URL
+from tests.support.checks import call
+from tests.support.databases import empty_database
+from tests.support.load import MixedLoad
+from tests.support.servers import ROOT, Gunicorn, PgBouncer, poll_until
 
 STATEMENT_TIMEOUT_MS = 1000
 POOL_TIMEOUT = 1.0

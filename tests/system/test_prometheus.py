@@ -15,10 +15,10 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from petstore import config, db, metrics, openapi, views
-from support.checks import call
-from support.nginx import DeployedGunicorn, Nginx
-from support.prometheus import ALERTS, SCRAPE_CONFIG, Prometheus, binary
-from support.servers import poll_until
+from tests.support.checks import call
+from tests.support.nginx import DeployedGunicorn, Nginx
+from tests.support.prometheus import ALERTS, SCRAPE_CONFIG, Prometheus, binary
+from tests.support.servers import poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS_TEST = Path(__file__).resolve().parent / "alerts_test.yml"

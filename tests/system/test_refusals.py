@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import count_pets
 from petstore import db
-from support.checks import assert_error, call, raw
-from support.nginx import Deployment, Nginx, deploy
-from support.servers import LOOPBACK, SilentServer
+from tests.conftest import count_pets
+from tests.support.checks import assert_error, call, raw
+from tests.support.nginx import Deployment, Nginx, deploy
+from tests.support.servers import LOOPBACK, SilentServer
 
 ENVIRON = {"PETSTORE_PROXY_COUNT": "1", "RATELIMIT_STORAGE_URI": "memory://"}
 # The limits both layers share (README.rst, "Deploying behind nginx").

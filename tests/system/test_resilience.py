@@ -15,8 +15,8 @@ import requests
 from flask import Flask
 
 from petstore import auth, config, create_app, db, devserver
-from support.checks import Answer, assert_error, burst, flask_getter, http_getter
-from support.servers import Gunicorn, ThrowawayPostgres
+from tests.support.checks import Answer, assert_error, burst, flask_getter, http_getter
+from tests.support.servers import Gunicorn, ThrowawayPostgres
 
 # Small bounds so that an outage is noticed within about a second; all are ordinary settings.
 POOL_SIZE = 2

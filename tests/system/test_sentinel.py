@@ -16,9 +16,9 @@ import redis
 
 from petstore import auth, config, db
 from petstore.ratelimit import storages
-from support.checks import Answer, call
-from support.databases import empty_database
-from support.servers import (
+from tests.support.checks import Answer, call
+from tests.support.databases import empty_database
+from tests.support.servers import (
     Gunicorn,
     RedisReplica,
     RedisSentinel,

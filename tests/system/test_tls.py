@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from petstore import db
-from support.checks import Answer, assert_error
-from support.nginx import Deployment, deploy
+from tests.support.checks import Answer, assert_error
+from tests.support.nginx import Deployment, deploy
 
 ENVIRON = {"PETSTORE_PROXY_COUNT": "1", "RATELIMIT_STORAGE_URI": "memory://"}
 HSTS = "max-age=63072000"

@@ -1,0 +1,192 @@
+"""The bench's database: a scratch database (on a given server or the embedded one), seeded pets,
+the servers' PostgreSQL backends, and the plans of the list queries."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import textwrap
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import conninfo, sql
+from psycopg.rows import dict_row
+
+from bench.measure import ROOT, log
+from petstore import auth, config, db
+from petstore.queries import pets
+
+EMBEDDED_DIR = ROOT / "var" / "bench-postgres"
+PAGE = 1000  # the deep page of the paging scenario and of the size check
+PAGE_LIMIT = 20
+# Seeded statuses, in turn: 40% available, 20% pending, 20% sold, 20% not stated (NULL).
+STATUSES = ("available", "pending", "available", "sold", None)
+
+Conn = psycopg.Connection[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Table:
+    """The seeded pets of one size, as the scenarios need them."""
+
+    size: int
+    min_id: int
+    max_id: int
+    page: int  # the deep page: 1,000, or the middle one of a smaller table
+    cursor: int  # `after` of the deep page
+
+    @property
+    def deep_path(self) -> str:
+        """The URL path of the deep page."""
+        return f"/v1/pets?limit={PAGE_LIMIT}&after={self.cursor}"
+
+    @property
+    def sample_paths(self) -> tuple[str, ...]:
+        """The requests whose answers the floors must give as the service does."""
+        return (
+            "/v1/pets?limit=20",
+            "/v1/pets?limit=100&status=available",
+            self.deep_path,
+            f"/v1/pets/{self.min_id}",
+            "/v1/pets/0",
+        )
+
+
+def redacted(url: str) -> str:
+    """A libpq URL or conninfo as a URL without its password, for the report."""
+    params = conninfo.conninfo_to_dict(url)
+    user = f"{params['user']}@" if params.get("user") else ""
+    port = f":{params['port']}" if params.get("port") else ""
+    return f"postgresql://{user}{params.get('host', '')}{port}/{params.get('dbname', '')}"
+
+
+def create_database(server_url: str, name: str) -> str:
+    """Create the scratch database afresh on the server; return its conninfo."""
+    drop_database(server_url, name)
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
+    return conninfo.make_conninfo(server_url, dbname=name)
+
+
+def drop_database(server_url: str, name: str) -> None:
+    """Drop the scratch database if it is there."""
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name))
+        )
+
+
+def seed(conn: Conn, size: int) -> Table:
+    """Replace the pets with `size` new ones (COPY), statuses mixed; vacuum, analyze, describe."""
+    conn.execute("truncate pets restart identity")
+    with conn.cursor().copy("copy pets (name, category_id, status) from stdin") as copy:
+        for number in range(size):
+            copy.write_row((f"pet {number}", number % 100 + 1, STATUSES[number % len(STATUSES)]))
+    conn.execute("vacuum analyze pets")
+    bounds = conn.execute("select min(id) as low, max(id) as high from pets").fetchone()
+    page = max(2, min(PAGE, size // PAGE_LIMIT // 2))
+    cursor = conn.execute(
+        "select id from pets order by id offset %s limit 1", [(page - 1) * PAGE_LIMIT - 1]
+    ).fetchone()
+    assert bounds is not None and cursor is not None
+    return Table(size, bounds["low"], bounds["high"], page, cursor["id"])
+
+
+def forget_new_pets(conn: Conn, table: Table) -> None:
+    """Delete the pets the benchmark created, so that every run sees the seeded table."""
+    if conn.execute("delete from pets where id > %s", [table.max_id]).rowcount:
+        conn.execute("vacuum pets")
+
+
+def pool_backends(conn: Conn) -> list[int] | None:
+    """Pids of the servers' PostgreSQL backends, or None when they are not on this machine."""
+    rows = conn.execute(
+        """
+        select pid
+          from pg_stat_activity
+         where datname = current_database()
+           and application_name = 'petstore'
+        """
+    ).fetchall()
+    pids = [row["pid"] for row in rows]
+    return pids if pids and all(Path(f"/proc/{pid}/stat").exists() for pid in pids) else None
+
+
+class Captured(Exception):
+    """Carries the statement a query function tried to run."""
+
+    def __init__(self, query: Any, params: Any) -> None:
+        super().__init__("captured")
+        self.query = query
+        self.params = params
+
+
+class StatementRecorder:
+    """Stands in for a connection: stops a query function at its first statement, keeping it."""
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        """Raise the statement instead of running it."""
+        raise Captured(query, params)
+
+
+def explain(conn: Conn, query_function: Callable[..., Any], **kwargs: Any) -> tuple[str, str]:
+    """(SQL text and parameters, EXPLAIN (ANALYZE, BUFFERS) output) of a query function."""
+    try:
+        query_function(StatementRecorder(), **kwargs)
+    except Captured as captured:
+        query, params = captured.query, captured.params
+    else:
+        raise RuntimeError(f"{query_function.__name__} ran no statement")
+    prefix = "explain (analyze, buffers) "
+    statement = sql.SQL(prefix) + query if isinstance(query, sql.Composable) else prefix + query
+    plan = "\n".join(row["QUERY PLAN"] for row in conn.execute(statement, params).fetchall())
+    text = query.as_string(conn) if isinstance(query, sql.Composable) else query
+    return f"{textwrap.dedent(text).strip()}\n-- parameters: {params}", plan
+
+
+def explain_list_queries(conn: Conn, table: Table) -> list[tuple[str, str, str]]:
+    """The plans of the three list queries the size check is about."""
+    return [
+        (
+            f"first page (limit={PAGE_LIMIT})",
+            *explain(conn, pets.list_pets, after=0, limit=PAGE_LIMIT),
+        ),
+        (
+            f"page {table.page:,} (limit={PAGE_LIMIT})",
+            *explain(conn, pets.list_pets, after=table.cursor, limit=PAGE_LIMIT),
+        ),
+        (
+            "filtered page (status=available, limit=100)",
+            *explain(conn, pets.list_pets_by_status, status="available", after=0, limit=100),
+        ),
+    ]
+
+
+@contextlib.contextmanager
+def bench_database(args: argparse.Namespace) -> Iterator[tuple[str, str, str, Conn]]:
+    """(server URL, database URL, enterprise key, admin connection) of a fresh scratch database."""
+    with contextlib.ExitStack() as cleanup:
+        server_url = args.database_url
+        if server_url is None:
+            from petstore import embedded
+
+            cleanup.callback(embedded.stop, EMBEDDED_DIR)
+            log(f"starting the embedded PostgreSQL in var/{EMBEDDED_DIR.name}")
+            server_url = embedded.ensure_running(EMBEDDED_DIR)
+        database_url = create_database(server_url, args.scratch_database)
+        cleanup.callback(drop_database, server_url, args.scratch_database)
+        with db.connect(config.from_environ({"DATABASE_URL": database_url})) as setup:
+            db.upgrade(setup)
+            key, _row = auth.issue_key(setup, "enterprise", "bench", 10**9, 10**9)
+        conn = cleanup.enter_context(
+            psycopg.connect(
+                database_url,
+                autocommit=True,
+                row_factory=dict_row,
+                application_name="petstore-bench",
+            )
+        )
+        yield server_url, database_url, key, conn

@@ -1,0 +1,1 @@
+"""The test suite: app/ (in-process), system/ (real processes), support/ (the harness, bench/'s too)."""
