@@ -53,27 +53,45 @@ class StatementTimeoutNotPinned(psycopg.OperationalError):
     """Behind a transaction pooler, the server's statement_timeout is not the configured one."""
 
 
-def statement_timeout_check(config: Mapping[str, Any]) -> Callable[[Connection], None] | None:
-    """The pool's check of each new connection behind a transaction pooler; None without one.
+def check_new_connection(config: Mapping[str, Any]) -> Callable[[Connection], None]:
+    """The pool's check of each new connection: find a pooler, and refuse an unbounded timeout.
 
-    Behind the pooler the timeout cannot travel with the connection: it is the database's
+    A pooler is found whether it was declared or not (PETSTORE_DB_POOLER): PostgreSQL tells
+    libpq its backend's pid on connecting, and a pooler (PgBouncer, in any pool mode) tells
+    the client a pid of its own. Through one, the connection prepares no statement, so that a
+    statement never runs against a plan that another client prepared on the same server
+    connection (transaction pooling). A direct connection keeps its prepared statements.
+
+    Through a pooler the timeout cannot travel with the connection: it is the database's
     default (`petstore db upgrade` pins it). A connection whose server has another value is
     refused, so that requests get 503 and the log says why, rather than running unbounded.
     """
-    if not behind_transaction_pooler(config):
-        return None
     expected = int(config["DB_STATEMENT_TIMEOUT_MS"])
+    declared = behind_transaction_pooler(config)
 
     def check(conn: Connection) -> None:
         row = conn.execute(
-            "select setting from pg_settings where name = 'statement_timeout'"
+            """
+            select pg_backend_pid() as pid,
+                   setting::int as statement_timeout
+              from pg_settings
+             where name = 'statement_timeout'
+            """
         ).fetchone()
-        actual = int(row["setting"]) if row else 0
-        if actual != expected:
+        assert row is not None
+        if row["pid"] != conn.info.backend_pid:
+            conn.prepare_threshold = None
+            if not declared:
+                log.warning(
+                    "DATABASE_URL leads through a pooler: no prepared statements on its "
+                    "connections (set PETSTORE_DB_POOLER=transaction to say so)"
+                )
+        if row["statement_timeout"] != expected:
             message = (
-                f"statement_timeout behind the pooler is {actual} ms, expected {expected} ms "
-                "(PETSTORE_DB_STATEMENT_TIMEOUT_MS): run `petstore db upgrade` with "
-                "PETSTORE_MIGRATION_DATABASE_URL, then RECONNECT in the PgBouncer console"
+                f"statement_timeout behind the pooler is {row['statement_timeout']} ms, "
+                f"expected {expected} ms (PETSTORE_DB_STATEMENT_TIMEOUT_MS): run `petstore db "
+                "upgrade` with PETSTORE_DB_POOLER=transaction and PETSTORE_MIGRATION_DATABASE_URL, "
+                "then RECONNECT in the PgBouncer console"
             )
             log.error("%s", message)
             raise StatementTimeoutNotPinned(message)
@@ -108,7 +126,7 @@ def open_pool(config: Mapping[str, Any], name: str = "petstore") -> ConnectionPo
         max_size=config["DB_POOL_SIZE"],
         timeout=config["DB_POOL_TIMEOUT"],
         reconnect_timeout=config["DB_RECONNECT_TIMEOUT"],
-        configure=statement_timeout_check(config),
+        configure=check_new_connection(config),
         name=name,
         open=False,
     )
