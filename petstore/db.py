@@ -192,6 +192,20 @@ def discard_broken_connections() -> None:
     pool.check()
 
 
+def discard_read_only_connections() -> None:
+    """After a write met a read-only server (a standby, a demoted primary), replace every connection.
+
+    The pool's other connections went to the same server, most likely: each is closed, idle
+    ones now and those in use when they come back, and new ones follow DATABASE_URL's
+    target_session_attrs=read-write to the primary. So no write meets a standby twice in a row.
+    """
+    conn = g.pop("conn", None)
+    pool = get_pool()
+    pool.drain()
+    if conn is not None:
+        pool.putconn(conn)
+
+
 def connect(config: dict[str, Any]) -> Connection:
     """A connection outside any request, for the CLI and tests."""
     return psycopg.connect(config["DATABASE_URL"], **connection_kwargs(config))
