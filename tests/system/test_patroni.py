@@ -276,8 +276,9 @@ def test_reads_on_the_standby_and_its_lag(cluster: Cluster, service: Deployment)
     lags.sort()
     print(
         f"\nreads: {len(load.answers)} requests, {gets} gets answered 200, {read_there} "
-        f"transactions on the standby ({service_connections} connections of the service); replay lag over {len(lags)} samples: median "
-        f"{lags[len(lags) // 2] * 1000:.1f} ms, max {lags[-1] * 1000:.1f} ms"
+        f"transactions on the standby ({service_connections} connections of the service); "
+        f"replay lag over {len(lags)} samples: median {lags[len(lags) // 2] * 1000:.1f} ms, "
+        f"max {lags[-1] * 1000:.1f} ms"
     )
     assert not load.failures, load.failures[:5]
     assert {a.status for a in load.answers} <= {200, 201}
