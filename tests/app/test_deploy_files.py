@@ -1,4 +1,4 @@
-"""deploy/: nginx's error pages are Error JSON, nginx and gunicorn share limits and words, Patroni's timings hold."""
+"""deploy/: nginx's error pages are Error JSON, nginx and gunicorn share limits and words; Patroni's timings."""
 
 from __future__ import annotations
 
