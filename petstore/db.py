@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any, TypeVar
@@ -12,7 +13,7 @@ import psycopg
 from flask import Flask, current_app, g
 from psycopg import sql
 from psycopg.rows import DictRow, dict_row
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,14 @@ T = TypeVar("T")
 MIGRATION_LOCK = 0x7065_7473_746F_7265 >> 1  # "petstore", kept inside bigint
 
 MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+
+# The longest a read waits for a connection to a standby before it asks the primary instead.
+READ_POOL_TIMEOUT = 0.2
+# After a standby failed a read, this worker reads from the primary for this long (seconds).
+READ_POOL_REST = 5.0
+# A read connection is replaced after this long (seconds), so that one that fell back to the
+# primary (prefer-standby, while the standbys were down) returns to a standby once one is back.
+READ_CONNECTION_LIFETIME = 60.0
 
 
 def behind_transaction_pooler(config: Mapping[str, Any]) -> bool:
@@ -53,27 +62,45 @@ class StatementTimeoutNotPinned(psycopg.OperationalError):
     """Behind a transaction pooler, the server's statement_timeout is not the configured one."""
 
 
-def statement_timeout_check(config: Mapping[str, Any]) -> Callable[[Connection], None] | None:
-    """The pool's check of each new connection behind a transaction pooler; None without one.
+def check_new_connection(config: Mapping[str, Any]) -> Callable[[Connection], None]:
+    """The pool's check of each new connection: find a pooler, and refuse an unbounded timeout.
 
-    Behind the pooler the timeout cannot travel with the connection: it is the database's
+    A pooler is found whether it was declared or not (PETSTORE_DB_POOLER): PostgreSQL tells
+    libpq its backend's pid on connecting, and a pooler (PgBouncer, in any pool mode) tells
+    the client a pid of its own. Through one, the connection prepares no statement, so that a
+    statement never runs against a plan that another client prepared on the same server
+    connection (transaction pooling). A direct connection keeps its prepared statements.
+
+    Through a pooler the timeout cannot travel with the connection: it is the database's
     default (`petstore db upgrade` pins it). A connection whose server has another value is
     refused, so that requests get 503 and the log says why, rather than running unbounded.
     """
-    if not behind_transaction_pooler(config):
-        return None
     expected = int(config["DB_STATEMENT_TIMEOUT_MS"])
+    declared = behind_transaction_pooler(config)
 
     def check(conn: Connection) -> None:
         row = conn.execute(
-            "select setting from pg_settings where name = 'statement_timeout'"
+            """
+            select pg_backend_pid() as pid,
+                   setting::int as statement_timeout
+              from pg_settings
+             where name = 'statement_timeout'
+            """
         ).fetchone()
-        actual = int(row["setting"]) if row else 0
-        if actual != expected:
+        assert row is not None
+        if row["pid"] != conn.info.backend_pid:
+            conn.prepare_threshold = None
+            if not declared:
+                log.warning(
+                    "DATABASE_URL leads through a pooler: no prepared statements on its "
+                    "connections (set PETSTORE_DB_POOLER=transaction to say so)"
+                )
+        if row["statement_timeout"] != expected:
             message = (
-                f"statement_timeout behind the pooler is {actual} ms, expected {expected} ms "
-                "(PETSTORE_DB_STATEMENT_TIMEOUT_MS): run `petstore db upgrade` with "
-                "PETSTORE_MIGRATION_DATABASE_URL, then RECONNECT in the PgBouncer console"
+                f"statement_timeout behind the pooler is {row['statement_timeout']} ms, "
+                f"expected {expected} ms (PETSTORE_DB_STATEMENT_TIMEOUT_MS): run `petstore db "
+                "upgrade` with PETSTORE_DB_POOLER=transaction and PETSTORE_MIGRATION_DATABASE_URL, "
+                "then RECONNECT in the PgBouncer console"
             )
             log.error("%s", message)
             raise StatementTimeoutNotPinned(message)
@@ -96,29 +123,45 @@ def pin_statement_timeout(conn: Connection, milliseconds: int) -> None:
     )
 
 
-def open_pool(config: Mapping[str, Any], name: str = "petstore") -> ConnectionPool[Connection]:
-    """The process's pool, sized and bounded by the settings, opened without waiting.
+def open_pool(
+    config: Mapping[str, Any],
+    name: str = "petstore",
+    url: str | None = None,
+    **options: Any,
+) -> ConnectionPool[Connection]:
+    """The process's pool of `url` (default DATABASE_URL), sized and bounded by the settings,
+    opened without waiting.
 
     Not waiting lets the app start while PostgreSQL is down: requests get 503 until it is back.
     """
     pool: ConnectionPool[Connection] = ConnectionPool(
-        config["DATABASE_URL"],
+        url or config["DATABASE_URL"],
         kwargs=connection_kwargs(config),
         min_size=config["DB_POOL_SIZE"],
         max_size=config["DB_POOL_SIZE"],
         timeout=config["DB_POOL_TIMEOUT"],
         reconnect_timeout=config["DB_RECONNECT_TIMEOUT"],
-        configure=statement_timeout_check(config),
+        configure=check_new_connection(config),
         name=name,
         open=False,
+        **options,
     )
     pool.open(wait=False)
     return pool
 
 
 def init_app(app: Flask) -> None:
-    """Create the pool (one per process) and release connections after each request."""
+    """Create the pools (one per process, and one of the standbys when set) and release
+    connections after each request."""
     app.extensions["petstore.pool"] = open_pool(app.config)
+    if app.config.get("READ_DATABASE_URL"):
+        app.extensions["petstore.read_pool"] = open_pool(
+            app.config,
+            "petstore-read",
+            app.config["READ_DATABASE_URL"],
+            max_lifetime=READ_CONNECTION_LIFETIME,
+        )
+        app.extensions["petstore.read_pool_rests_until"] = 0.0
     app.teardown_appcontext(_release_conn)
 
 
@@ -141,8 +184,8 @@ def get_conn() -> Connection:
     return conn
 
 
-def first_query(query: Callable[..., T], *args: Any) -> T:
-    """Run the request's first statement, `query(conn, *args)`, on the request's connection.
+def first_query(query: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run the request's first statement, `query(conn, *args, **kwargs)`, on the request's connection.
 
     A restart of PostgreSQL cuts the pool's idle connections without the pool noticing. If the
     connection turns out to be cut, nothing was done on it yet, so test the pool's idle
@@ -151,12 +194,36 @@ def first_query(query: Callable[..., T], *args: Any) -> T:
     """
     conn = get_conn()
     try:
-        return query(conn, *args)
+        return query(conn, *args, **kwargs)
     except psycopg.OperationalError:
         if not conn.broken:
             raise
         discard_broken_connections()
-        return query(get_conn(), *args)
+        return query(get_conn(), *args, **kwargs)
+
+
+def read(query: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`query(conn, ...)` on a standby (PETSTORE_READ_DATABASE_URL), else on the primary.
+
+    Only for statements that write nothing and may lag by the replication delay. A standby that
+    cannot be reached within READ_POOL_TIMEOUT, or fails the statement, is not an error: the
+    primary answers, and this worker leaves the standbys alone for READ_POOL_REST seconds.
+    """
+    extensions = current_app.extensions
+    pool: ConnectionPool[Connection] | None = extensions.get("petstore.read_pool")
+    if pool is None or time.monotonic() < extensions["petstore.read_pool_rests_until"]:
+        return first_query(query, *args, **kwargs)
+    try:
+        with pool.connection(timeout=READ_POOL_TIMEOUT) as conn:
+            return query(conn, *args, **kwargs)
+    except psycopg.errors.QueryCanceled:
+        raise  # the statement timeout: the primary would take as long
+    except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+        log.warning(
+            "standby unavailable, reading from the primary: %s: %s", type(exc).__name__, exc
+        )
+        extensions["petstore.read_pool_rests_until"] = time.monotonic() + READ_POOL_REST
+    return first_query(query, *args, **kwargs)
 
 
 def _release_conn(exc: BaseException | None) -> None:
@@ -172,6 +239,20 @@ def discard_broken_connections() -> None:
     if conn is not None:
         pool.putconn(conn)
     pool.check()
+
+
+def discard_read_only_connections() -> None:
+    """After a write met a read-only server (a standby, a demoted primary), replace every connection.
+
+    The pool's other connections went to the same server, most likely: each is closed, idle
+    ones now and those in use when they come back, and new ones follow DATABASE_URL's
+    target_session_attrs=read-write to the primary. So no write meets a standby twice in a row.
+    """
+    conn = g.pop("conn", None)
+    pool = get_pool()
+    pool.drain()
+    if conn is not None:
+        pool.putconn(conn)
 
 
 def connect(config: dict[str, Any]) -> Connection:

@@ -139,6 +139,12 @@ def handle_database_unavailable(error: Exception) -> Response:
     )
 
 
+def handle_read_only(error: psycopg.errors.ReadOnlySqlTransaction) -> Response:
+    # A write on a server that is no longer the primary (after a failover): no primary for us yet.
+    db.discard_read_only_connections()
+    return handle_database_unavailable(error)
+
+
 def handle_unexpected(error: Exception) -> Response:
     log.exception("unhandled error")
     return error_response(500, "internal_error", MESSAGES[500])
@@ -150,4 +156,5 @@ def init_app(app: Flask) -> None:
     app.register_error_handler(HTTPException, handle_http_exception)
     for error in DATABASE_UNAVAILABLE:
         app.register_error_handler(error, handle_database_unavailable)
+    app.register_error_handler(psycopg.errors.ReadOnlySqlTransaction, handle_read_only)
     app.register_error_handler(Exception, handle_unexpected)

@@ -91,6 +91,7 @@ SAMPLE_SECONDS = 1.0
 DATABASE_ERROR_KINDS: tuple[tuple[type[Exception], str], ...] = (
     (psycopg_pool.PoolTimeout, "pool_timeout"),
     (psycopg.errors.QueryCanceled, "statement_timeout"),
+    (psycopg.errors.ReadOnlySqlTransaction, "read_only"),
     (psycopg.InterfaceError, "interface"),
     (psycopg.OperationalError, "operational"),
 )

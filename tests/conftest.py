@@ -92,8 +92,9 @@ def make_app(conn: db.Connection, database_url: str) -> Iterator[Callable[..., F
 
     yield build
     for app in apps:
-        db_pool = app.extensions["petstore.pool"]
-        db_pool.close()
+        for pool in ("petstore.pool", "petstore.read_pool"):
+            if pool in app.extensions:
+                app.extensions[pool].close()
 
 
 @pytest.fixture

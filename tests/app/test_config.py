@@ -75,6 +75,12 @@ def test_missing_database_url_says_what_to_give() -> None:
 TABLE: dict[str, tuple[Any, str, Any, str | None]] = {
     "DATABASE_URL": (None, "postgresql://u@db:5432/p", "postgresql://u@db:5432/p", "db/p"),
     "PETSTORE_DB_POOL_SIZE": (4, "8", 8, "-3"),
+    "PETSTORE_READ_DATABASE_URL": (
+        None,
+        "postgresql://u@db1,db2/p?target_session_attrs=prefer-standby",
+        "postgresql://u@db1,db2/p?target_session_attrs=prefer-standby",
+        "db/p",
+    ),
     "PETSTORE_DB_POOL_TIMEOUT": (2.0, "0.5", 0.5, "0"),
     "PETSTORE_DB_CONNECT_TIMEOUT": (3, "10", 10, "0"),
     "PETSTORE_DB_STATEMENT_TIMEOUT_MS": (5000, "250", 250, "5s"),

@@ -1,4 +1,4 @@
-"""deploy/: nginx's error pages are well-formed Error JSON, and nginx and gunicorn share their limits and words."""
+"""deploy/: nginx's error pages are Error JSON, nginx and gunicorn share limits and words; Patroni's timings."""
 
 from __future__ import annotations
 
@@ -103,3 +103,18 @@ def test_every_code_nginx_and_gunicorn_answer_is_in_the_table_of_codes() -> None
     assert [
         (code, status) for code, status in used if errors.ERRORS.get(code, (None,))[0] != status
     ] == []
+
+
+def test_patroni_timings_follow_patronis_rule_and_writes_wait_for_the_standby() -> None:
+    """deploy/patroni.yml: a ttl newer Patroni accepts, loop_wait + 2 × retry_timeout within it,
+    synchronous replication, and no password in the file."""
+    import yaml
+
+    text = (DEPLOY / "patroni.yml").read_text(encoding="utf-8")
+    dcs = yaml.safe_load(text)["bootstrap"]["dcs"]
+    assert dcs["ttl"] >= 20
+    assert dcs["loop_wait"] >= 1 and dcs["retry_timeout"] >= 3
+    assert dcs["loop_wait"] + 2 * dcs["retry_timeout"] <= dcs["ttl"]
+    assert dcs["synchronous_mode"] is True
+    assert dcs["postgresql"]["use_pg_rewind"] is True
+    assert "password:" not in text

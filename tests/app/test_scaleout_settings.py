@@ -38,12 +38,22 @@ def test_transaction_pooler_sends_no_options_and_prepares_nothing() -> None:
     direct = db.connection_kwargs(config.from_environ({}))
     assert direct["options"] == "-c statement_timeout=5000"
     assert "prepare_threshold" not in direct
-    assert db.statement_timeout_check(config.from_environ({})) is None
     pooled_settings = config.from_environ({"PETSTORE_DB_POOLER": "transaction"})
     pooled = db.connection_kwargs(pooled_settings)
     assert "options" not in pooled
     assert pooled["prepare_threshold"] is None
-    assert db.statement_timeout_check(pooled_settings) is not None
+
+
+def test_a_direct_connection_keeps_its_prepared_statements(database_url: str) -> None:
+    """No pooler between: the backend pid libpq was told is the server's, and psycopg may prepare."""
+    settings = config.from_environ({"DATABASE_URL": database_url})
+    with db.connect(settings) as conn:
+        db.check_new_connection(settings)(conn)
+        assert conn.prepare_threshold == 5
+        # Direct, the timeout travels with the connection (options): the check finds it.
+        other = {**settings, "DB_STATEMENT_TIMEOUT_MS": 60_000}
+        with pytest.raises(db.StatementTimeoutNotPinned, match="is 5000 ms, expected 60000 ms"):
+            db.check_new_connection(other)(conn)
 
 
 def test_an_unknown_pooler_is_refused() -> None:

@@ -15,14 +15,24 @@ from tests.support.checks import Answer, call
 
 CLIENTS = 16
 HTTP_TIMEOUT = 15.0
+# A create retried for this long without a 201 is given up (MixedLoad.abandoned).
+CREATE_DEADLINE = 20.0
 
 
 class MixedLoad:
     """`clients` threads sending `total` requests: creates (Idempotency-Key, retried on 503 or no
     answer), lists and gets; every answer and every 201 recorded."""
 
-    def __init__(self, base_url: str, key: str, label: str, clients: int = CLIENTS) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        key: str,
+        label: str,
+        clients: int = CLIENTS,
+        create_deadline: float = CREATE_DEADLINE,
+    ) -> None:
         self.clients = clients
+        self.create_deadline = create_deadline
         self.base_url = base_url
         self.key = key
         self.label = label
@@ -53,7 +63,7 @@ class MixedLoad:
         """Create a pet; on a 503 or no answer, again with the same Idempotency-Key (bounded)."""
         headers = {"Idempotency-Key": uuid.uuid4().hex}
         body = {"name": name, "categoryId": 3, "status": "available"}
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + self.create_deadline
         while time.monotonic() < deadline:
             answer = self.send("POST", "/v1/pets", headers=headers, json_body=body)
             if answer is not None and answer.status == 201:

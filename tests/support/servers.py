@@ -488,6 +488,7 @@ class PgBouncer(ServerProcess):
         *,
         dbname: str = "petstore",
         also_listen: Sequence[str] = (),
+        settings: Mapping[str, str] | None = None,
         start_timeout: float = 10.0,
         stop_timeout: float = 10.0,
     ) -> None:
@@ -498,6 +499,8 @@ class PgBouncer(ServerProcess):
         self.target_url = target_url
         self.dbname = dbname
         self.also_listen = list(also_listen)
+        # More lines of its [pgbouncer] section, the ini's last one: settings the shipped file leaves out.
+        self.settings = dict(settings or {})
 
     def url(self, host: str = LOOPBACK) -> str:
         """The libpq URL of the pooled database, through this PgBouncer (at `host`, one it listens on).
@@ -535,6 +538,7 @@ class PgBouncer(ServerProcess):
         text = replace_line(
             text, "auth_file = /etc/pgbouncer/userlist.txt", f"auth_file = {userlist}"
         )
+        text += "".join(f"{name} = {value}\n" for name, value in self.settings.items())
         path = self.workdir / "pgbouncer.ini"
         path.write_text(text, encoding="utf-8")
         return path

@@ -247,3 +247,53 @@ def test_pgbouncer_restart_under_load(pooled: Pooled) -> None:
     assert max(a.elapsed for a in unavailable) < UNAVAILABLE_WITHIN
     assert sum(rows.values()) == statuses[201] == len(load.created)
     assert max(rows.values()) == 1
+
+
+def test_an_undeclared_pooler_never_gives_a_wrong_answer(pooled: Pooled) -> None:
+    """The pooler left out of the settings (no PETSTORE_DB_POOLER), and a PgBouncer that drops the
+    `options` it cannot forward (ignore_startup_parameters): the service finds the pooler itself and
+    prepares nothing, so no statement is bound to another client's plan: 200 and 201 only, every
+    get finds its pet, one row per 201."""
+    workdir = pooled.workdir / "undeclared"
+    settings = {"ignore_startup_parameters": "options"}
+    with PgBouncer(workdir, pooled.direct_url, settings=settings) as lenient:
+        key = issue(pooled)
+        environ = {
+            "DATABASE_URL": lenient.url(),
+            "PETSTORE_DB_POOLER": "",
+            # The database's own (pinned by the fixture's upgrade): the pool checks it.
+            "PETSTORE_DB_STATEMENT_TIMEOUT_MS": str(STATEMENT_TIMEOUT_MS),
+        }
+        with pooled.gunicorn("undeclared", **environ) as app:
+            load = MixedLoad(app.url, key, "undeclared")
+            load.run(1500)
+        log_text = app.log_path.read_text(encoding="utf-8")
+    statuses = Counter(answer.status for answer in load.answers)
+    rows = load.rows(pooled.direct)
+    print(
+        f"\nUndeclared PgBouncer: {len(load.answers)} requests, statuses {dict(statuses)}, "
+        f"201s {statuses[201]}, rows {sum(rows.values())}"
+    )
+    assert "DATABASE_URL leads through a pooler" in log_text
+    assert not load.failures, load.failures[:5]
+    assert set(statuses) == {200, 201}, statuses
+    assert sum(rows.values()) == statuses[201] == len(load.created)
+    assert max(rows.values()) == 1
+
+
+def test_an_undeclared_pooler_with_another_timeout_is_refused(pooled: Pooled) -> None:
+    """Undeclared, and the service's statement timeout is not the database's: 503, never unbounded."""
+    workdir = pooled.workdir / "undeclared-unpinned"
+    settings = {"ignore_startup_parameters": "options"}
+    with PgBouncer(workdir, pooled.direct_url, settings=settings) as lenient:
+        key = issue(pooled)
+        environ = {
+            "DATABASE_URL": lenient.url(),
+            "PETSTORE_DB_POOLER": "",
+            "PETSTORE_DB_STATEMENT_TIMEOUT_MS": "60000",
+        }
+        with pooled.gunicorn("undeclared-unpinned", **environ) as app:
+            answer = call(app.url, "GET", "/v1/pets", headers=bearer(key), timeout=HTTP_TIMEOUT)
+            assert answer.status == 503, (answer.status, answer.body)
+            assert answer.is_json_error and answer.body["code"] == "service_unavailable"
+            assert "statement_timeout behind the pooler is" in app.log_path.read_text()

@@ -1,0 +1,217 @@
+"""etcd and Patroni-managed PostgreSQL 15 nodes on loopback, from the shipped deploy/patroni.yml."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from support.servers import LOOPBACK, ROOT, ServerProcess, free_port
+
+PATRONI_YML = ROOT / "deploy" / "patroni.yml"
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def account() -> pwd.struct_passwd | None:
+    """Whom PostgreSQL runs as: ourselves, or petstore.embedded's system account when we are root."""
+    if os.geteuid() != 0:
+        return None
+    from petstore import embedded
+
+    found: pwd.struct_passwd | None = embedded._service_account()
+    return found
+
+
+def as_account(command: list[str]) -> list[str]:
+    """`command`, run as account() (setpriv execs it: the pid stays the program's)."""
+    user = account()
+    if user is None:
+        return command
+    ids = [f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
+    return ["setpriv", *ids, *command]
+
+
+def give_to_account(path: Path) -> None:
+    """Make `path` (a new directory) the account's, and reachable by it."""
+    path.mkdir(parents=True, exist_ok=True)
+    user = account()
+    if user is None:
+        return
+    shutil.chown(path, user.pw_uid, user.pw_gid)
+    for parent in path.parents:
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            parent.chmod(mode | 0o001)  # traverse only, as petstore.embedded does
+
+
+def get_json(url: str, timeout: float = 1.0) -> tuple[int, Any]:
+    """(status, JSON body) of a GET; (0, None) when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as error:
+        body = error.read()
+        try:
+            return error.code, json.loads(body or b"null")
+        except ValueError:
+            return error.code, None
+    except (OSError, ValueError):
+        return 0, None
+
+
+class Etcd(ServerProcess):
+    """A one-member etcd 3.4 on free loopback ports, its data in `workdir`."""
+
+    name = "etcd"
+    ready = "report healthy"
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir / "etcd.log", start_timeout=20.0, stop_timeout=10.0)
+        self.workdir = workdir
+        self.peer_port = free_port()
+
+    @property
+    def endpoint(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def start(self) -> None:
+        peer = f"http://{LOOPBACK}:{self.peer_port}"
+        client = f"http://{self.endpoint}"
+        command = [
+            "etcd",
+            "--name=petstore-test",
+            f"--data-dir={self.workdir / 'etcd-data'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=petstore-test={peer}",
+        ]
+        self.launch(command, cwd=self.workdir)
+
+    def answers(self) -> bool:
+        status, body = get_json(f"http://{self.endpoint}/health")
+        return status == 200 and isinstance(body, dict) and body.get("health") == "true"
+
+
+class PatroniNode(ServerProcess):
+    """`patroni` with deploy/patroni.yml for one node on loopback: its PostgreSQL port is `port`."""
+
+    name = "patroni"
+    ready = "answer on its REST API"
+
+    def __init__(self, workdir: Path, name: str, etcd: Etcd) -> None:
+        super().__init__(workdir / f"{name}.log", start_timeout=60.0, stop_timeout=20.0)
+        self.log_mode = "ab"
+        self.workdir = workdir
+        self.node = name
+        self.etcd = etcd
+        self.rest_port = free_port()
+        self.home = workdir / name
+        self.config_path = self.home / "patroni.yml"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return LOOPBACK, self.port
+
+    @property
+    def data_dir(self) -> Path:
+        return self.home / "data"
+
+    def config(self) -> dict[str, Any]:
+        """The shipped file with this node's name, addresses, paths and trust on loopback."""
+        settings: dict[str, Any] = yaml.safe_load(PATRONI_YML.read_text(encoding="utf-8"))
+        settings["name"] = self.node
+        settings["restapi"] = {
+            "listen": f"{LOOPBACK}:{self.rest_port}",
+            "connect_address": f"{LOOPBACK}:{self.rest_port}",
+        }
+        settings["etcd3"] = {"hosts": self.etcd.endpoint}
+        postgresql = settings["postgresql"]
+        postgresql["listen"] = f"{LOOPBACK}:{self.port}"
+        postgresql["connect_address"] = f"{LOOPBACK}:{self.port}"
+        postgresql["data_dir"] = str(self.data_dir)
+        postgresql["bin_dir"] = str(PG_BIN)
+        postgresql["pgpass"] = str(self.home / "pgpass")
+        postgresql["parameters"]["unix_socket_directories"] = str(self.home)
+        postgresql["pg_hba"] = [
+            "local all all trust",
+            f"host replication replicator {LOOPBACK}/32 trust",
+            f"host all all {LOOPBACK}/32 trust",
+        ]
+        return settings
+
+    def start(self) -> None:
+        assert self.process is None, f"{self.node} is running already"
+        give_to_account(self.home)
+        self.config_path.write_text(yaml.safe_dump(self.config()), encoding="utf-8")
+        self.config_path.chmod(0o644)
+        environ = {key: value for key, value in os.environ.items() if not key.startswith("PG")}
+        environ["HOME"] = str(self.home)
+        self.launch(as_account(["patroni", str(self.config_path)]), cwd=self.home, env=environ)
+
+    def answers(self) -> bool:
+        status, _body = get_json(f"http://{LOOPBACK}:{self.rest_port}/patroni")
+        return status in (200, 503)
+
+    def state(self) -> dict[str, Any]:
+        """Patroni's view of this node (role, state, timeline...), or {} when it does not answer."""
+        status, body = get_json(f"http://{LOOPBACK}:{self.rest_port}/patroni")
+        return body if status in (200, 503) and isinstance(body, dict) else {}
+
+    def is_primary(self) -> bool:
+        status, _body = get_json(f"http://{LOOPBACK}:{self.rest_port}/primary")
+        return status == 200
+
+    def is_sync_standby(self) -> bool:
+        status, _body = get_json(f"http://{LOOPBACK}:{self.rest_port}/sync")
+        return status == 200
+
+    def postmaster_pid(self) -> int | None:
+        """The pid in the data directory's postmaster.pid, or None."""
+        try:
+            return int((self.data_dir / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def kill(self) -> None:
+        """kill -9 of Patroni and of its postmaster: the node dies as a crashed machine would."""
+        postmaster = self.postmaster_pid()
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        if postmaster is not None:
+            try:
+                os.kill(postmaster, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(timeout=10)
+        self.process = None
+
+    def stop(self) -> None:
+        """Stop Patroni (it stops its PostgreSQL first); then make sure the postmaster is gone."""
+        postmaster = self.postmaster_pid()
+        super().stop()
+        if postmaster is not None:
+            try:
+                os.kill(postmaster, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def patronictl(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """`patronictl -c <this node's file> args...`."""
+        return subprocess.run(
+            ["patronictl", "-c", str(self.config_path), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "HOME": str(self.home)},
+        )

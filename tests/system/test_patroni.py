@@ -1,0 +1,345 @@
+"""PostgreSQL with Patroni (deploy/patroni.yml): the service follows the primary, and loses no 201.
+
+etcd and two Patroni-managed PostgreSQL 15 nodes on loopback, synchronous replication; two
+gunicorn instances (the shipped config) behind nginx (the shipped site) with a multi-host
+DATABASE_URL (target_session_attrs=read-write). Under a mixed load (creates retried with their
+Idempotency-Key on 503, lists, gets): kill -9 of the primary's Patroni and postmaster, then, with
+the old primary back as the synchronous standby, a planned `patronictl switchover`. Each fault
+answers only 2xx and 503, writes are back within Patroni's ttl + 5 s, and every 201 is a row on
+the primary that follows. `pytest -s` prints the table.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from psycopg import conninfo
+
+from petstore import auth, cli, config, db
+from support.load import MixedLoad
+from support.nginx import Deployment, deploy
+from support.patroni import PATRONI_YML, Etcd, PatroniNode
+from support.servers import RedisServer, poll_until, run_every
+
+DCS = yaml.safe_load(PATRONI_YML.read_text(encoding="utf-8"))["bootstrap"]["dcs"]
+TTL = int(DCS["ttl"])
+WRITES_BACK_WITHIN = TTL + 5.0
+CLUSTER_READY = 90.0
+POOL_TIMEOUT = 1.0
+CONNECT_TIMEOUT = 2
+STATEMENT_TIMEOUT_MS = 2000
+ENVIRON = {
+    "PETSTORE_PROXY_COUNT": "1",
+    "PETSTORE_DB_POOL_TIMEOUT": str(POOL_TIMEOUT),
+    "PETSTORE_DB_CONNECT_TIMEOUT": str(CONNECT_TIMEOUT),
+    "PETSTORE_DB_RECONNECT_TIMEOUT": "2",
+    "PETSTORE_DB_STATEMENT_TIMEOUT_MS": str(STATEMENT_TIMEOUT_MS),
+    "PETSTORE_RETRY_AFTER": "1",
+    # While there is no primary no key can be looked up: requests spend the address's budget.
+    "PETSTORE_IP_LIMITS": "1000000/minute;10000000/day",
+}
+# The longest the app may take to answer: a pool wait, a connection attempt per host, a statement.
+APP_BOUND = POOL_TIMEOUT + 2 * CONNECT_TIMEOUT + STATEMENT_TIMEOUT_MS / 1000
+CLIENTS = 8
+WARMUP = 2.0
+AFTER_RECOVERY = 2.0
+
+
+@dataclass
+class Outcome:
+    """One row of the table: a fault under load and what the clients saw."""
+
+    fault: str
+    requests: int
+    ok: int
+    unavailable: int
+    other: int
+    longest: float
+    writes_back_after: float
+    created: int
+    rows: int
+
+    HEADER = (
+        f"{'fault':<36} {'requests':>8} {'2xx':>6} {'503':>5} {'other':>5} {'longest':>8} "
+        f"{'writes back':>11} {'201s':>5} {'rows':>5}"
+    )
+
+    def row(self) -> str:
+        return (
+            f"{self.fault:<36} {self.requests:>8} {self.ok:>6} {self.unavailable:>5} "
+            f"{self.other:>5} {self.longest:>6.2f} s {self.writes_back_after:>9.2f} s "
+            f"{self.created:>5} {self.rows:>5}"
+        )
+
+
+class Cluster:
+    """etcd, nodes db1 and db2, and the service in front of them."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.etcd = Etcd(workdir)
+        self.nodes = [PatroniNode(workdir, name, self.etcd) for name in ("db1", "db2")]
+        self.redis = RedisServer(workdir / "redis")
+        self.key = ""
+
+    def start(self) -> None:
+        self.redis.start()
+        self.etcd.start()
+        first, second = self.nodes
+        first.start()
+        assert poll_until(first.is_primary, bool, CLUSTER_READY, 0.2), first.log()
+        second.start()
+        assert poll_until(second.is_sync_standby, bool, CLUSTER_READY, 0.2), second.log()
+        cli.ensure_database(self.url("postgres"), "petstore")
+        with self.connect() as conn:
+            db.upgrade(conn)
+            self.key, _row = auth.issue_key(conn, "enterprise", "patroni", 10**7, 10**8)
+
+    def stop(self) -> None:
+        run_every([*(node.stop for node in self.nodes), self.etcd.stop, self.redis.stop])
+
+    def url(self, dbname: str = "petstore", attrs: str = "read-write") -> str:
+        """The multi-host URL of the README: every node, the one with `attrs` chosen by libpq."""
+        return conninfo.make_conninfo(
+            "",
+            host=",".join(node.address[0] for node in self.nodes),
+            port=",".join(str(node.address[1]) for node in self.nodes),
+            dbname=dbname,
+            user="postgres",
+            target_session_attrs=attrs,
+            connect_timeout=str(CONNECT_TIMEOUT),
+        )
+
+    def connect_to(self, node: PatroniNode) -> db.Connection:
+        """A connection to this node's database, whatever its role."""
+        host, port = node.address
+        url = conninfo.make_conninfo(
+            "", host=host, port=str(port), dbname="petstore", user="postgres"
+        )
+        return db.connect(config.from_environ({"DATABASE_URL": url}))
+
+    def connect(self) -> db.Connection:
+        """A connection to the primary, whichever node it is."""
+        return db.connect(config.from_environ({"DATABASE_URL": self.url()}))
+
+    def primary(self) -> PatroniNode:
+        leaders = [node for node in self.nodes if node.process is not None and node.is_primary()]
+        assert len(leaders) == 1, [node.state() for node in self.nodes]
+        return leaders[0]
+
+    def standby(self) -> PatroniNode:
+        return next(node for node in self.nodes if node is not self.primary())
+
+    def wait_for_sync_standby(self, node: PatroniNode) -> None:
+        assert poll_until(node.is_sync_standby, bool, CLUSTER_READY, 0.2), node.log()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    running = Cluster(tmp_path_factory.mktemp("patroni"))
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def service(cluster: Cluster) -> Iterator[Deployment]:
+    environ = {
+        **ENVIRON,
+        "DATABASE_URL": cluster.url(),
+        # Lists and gets on the standby while there is one (README, "Reads on standbys").
+        "PETSTORE_READ_DATABASE_URL": cluster.url(attrs="prefer-standby"),
+        "RATELIMIT_STORAGE_URI": cluster.redis.url(),
+    }
+    with deploy(environ, cluster.workdir / "web", instances=2, workers=2, threads=4) as stack:
+        yield stack
+
+
+def under_load(
+    cluster: Cluster, service: Deployment, label: str, fault: Callable[[], None]
+) -> tuple[Outcome, MixedLoad]:
+    """Run the mixed load, apply `fault`, wait (bounded) for writes to be back, then tally."""
+    # A create is retried past the longest outage the test allows.
+    load = MixedLoad(
+        service.url, cluster.key, label, clients=CLIENTS, create_deadline=2 * WRITES_BACK_WITHIN
+    )
+    stop = threading.Event()
+    runner = threading.Thread(target=load.run, args=(10**7, stop), daemon=True)
+    runner.start()
+    try:
+        time.sleep(WARMUP)
+        fault_at = time.monotonic()
+        fault()
+
+        def writes_back_after() -> float | None:
+            """Seconds from the fault to the first 201 after the last failed create, once there is one."""
+            with load.lock:
+                creates = [a for a in load.answers if a.method == "POST" and a.started >= fault_at]
+            failed = [a.started + a.elapsed for a in creates if a.status != 201]
+            since = max(failed, default=fault_at)
+            back = [
+                a.started + a.elapsed for a in creates if a.status == 201 and a.started >= since
+            ]
+            return min(back) - fault_at if back and failed else (0.0 if back else None)
+
+        back = poll_until(writes_back_after, lambda value: value is not None, 3 * TTL, 0.2)
+        time.sleep(AFTER_RECOVERY)
+        back = writes_back_after()  # a create that failed after the first 201 moves it on
+    finally:
+        stop.set()
+        runner.join(timeout=60)
+    assert not runner.is_alive()
+    statuses = [answer.status for answer in load.answers]
+    ok = sum(1 for status in statuses if 200 <= status < 300)
+    unavailable = statuses.count(503)
+    rows = load.rows(cluster.connect)
+    outcome = Outcome(
+        fault=label,
+        requests=len(statuses),
+        ok=ok,
+        unavailable=unavailable,
+        other=len(statuses) - ok - unavailable,
+        longest=max(answer.elapsed for answer in load.answers),
+        writes_back_after=float("inf") if back is None else back,
+        created=len(load.created),
+        rows=sum(rows.values()),
+    )
+    print(f"\n{Outcome.HEADER}\n{outcome.row()}")
+    return outcome, load
+
+
+def assert_no_write_lost(outcome: Outcome, load: MixedLoad, cluster: Cluster) -> None:
+    """Only 2xx and 503, no request unanswered, writes back in time, one row per 201."""
+    assert not load.failures, load.failures[:5]
+    assert not load.abandoned, load.abandoned[:5]
+    assert outcome.other == 0, sorted({a.status for a in load.answers})
+    assert outcome.writes_back_after <= WRITES_BACK_WITHIN, outcome
+    assert outcome.longest <= APP_BOUND, outcome
+    with cluster.connect() as conn:
+        found = conn.execute(
+            "select id from pets where id = any(%s)", [sorted(set(load.created))]
+        ).fetchall()
+    assert len(found) == len(set(load.created)) == outcome.created == outcome.rows, outcome
+
+
+def test_reads_on_the_standby_and_its_lag(cluster: Cluster, service: Deployment) -> None:
+    """No fault: lists and gets are read on the synchronous standby, and its replay lag under the
+    mixed load stays small (sampled from the primary's pg_stat_replication)."""
+    standby = cluster.standby()
+    statement = "select sum(xact_commit)::bigint as n from pg_stat_database"
+    with cluster.connect_to(standby) as conn:
+        before = conn.execute(statement).fetchone()["n"]
+    lags: list[float] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        with cluster.connect() as conn:
+            while not stop.is_set():
+                row = conn.execute(
+                    """
+                    select coalesce(extract(epoch from max(replay_lag)), 0)::float as lag
+                      from pg_stat_replication
+                    """
+                ).fetchone()
+                lags.append(row["lag"])
+                time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    load = MixedLoad(service.url, cluster.key, "reads", clients=CLIENTS)
+    try:
+        load.run(1500)
+    finally:
+        stop.set()
+        sampler.join(timeout=10)
+    with cluster.connect_to(standby) as conn:
+        read_there = conn.execute(statement).fetchone()["n"] - before
+        service_connections = conn.execute(
+            """
+            select count(*) as n
+              from pg_stat_activity
+             where application_name = 'petstore'
+               and datname = 'petstore'
+            """
+        ).fetchone()["n"]
+    gets = sum(1 for a in load.answers if a.method == "GET" and a.status == 200)
+    lags.sort()
+    print(
+        f"\nreads: {len(load.answers)} requests, {gets} gets answered 200, {read_there} "
+        f"transactions on the standby ({service_connections} connections of the service); "
+        f"replay lag over {len(lags)} samples: median {lags[len(lags) // 2] * 1000:.1f} ms, "
+        f"max {lags[-1] * 1000:.1f} ms"
+    )
+    assert not load.failures, load.failures[:5]
+    assert {a.status for a in load.answers} <= {200, 201}
+    # The read pools' connections are there, and most gets were read there (a backend's counts
+    # reach pg_stat_database within seconds, not at once; a getPet the standby has not yet
+    # replayed is read again on the primary).
+    assert service_connections > 0
+    assert read_there >= gets // 2, (read_there, gets)
+    assert lags and lags[-1] < 1.0, lags[-5:]
+
+
+def test_kill_9_of_the_primary_postmaster_alone(cluster: Cluster, service: Deployment) -> None:
+    """The primary's postmaster killed, its Patroni alive: Patroni starts it again (crash recovery)
+    on the same node, which keeps the leader lock; 2xx and 503 only, no 201 lost."""
+    primary = cluster.primary()
+
+    def kill_postmaster() -> None:
+        postmaster = primary.postmaster_pid()
+        assert postmaster is not None
+        os.kill(postmaster, signal.SIGKILL)
+
+    outcome, load = under_load(
+        cluster, service, "kill -9 of the primary's postmaster", kill_postmaster
+    )
+    assert cluster.primary() is primary
+    assert_no_write_lost(outcome, load, cluster)
+    assert outcome.unavailable > 0, "the restart was not seen"
+    cluster.wait_for_sync_standby(cluster.standby())
+
+
+def test_kill_9_of_the_primary_loses_no_acknowledged_write(
+    cluster: Cluster, service: Deployment
+) -> None:
+    """Patroni and postmaster of the primary killed (the node is gone): the synchronous standby
+    takes over within the ttl, the service follows it without a restart, and every 201 answered
+    before is on it."""
+    old = cluster.primary()
+    standby = cluster.standby()
+    outcome, load = under_load(cluster, service, "kill -9 of the primary node", old.kill)
+    assert cluster.primary() is standby
+    assert_no_write_lost(outcome, load, cluster)
+    assert outcome.unavailable > 0, "the failover was not seen"
+    # The old primary comes back as the synchronous standby (pg_rewind), for what follows.
+    old.start()
+    cluster.wait_for_sync_standby(old)
+
+
+def test_a_planned_switchover_loses_no_acknowledged_write(
+    cluster: Cluster, service: Deployment
+) -> None:
+    """`patronictl switchover` to the synchronous standby under load: 2xx and 503 only, no 201 lost."""
+    old = cluster.primary()
+    candidate = cluster.standby()
+    cluster.wait_for_sync_standby(candidate)
+
+    def switchover() -> None:
+        done = old.patronictl(
+            "switchover", "--leader", old.node, "--candidate", candidate.node, "--force"
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    outcome, load = under_load(cluster, service, "patronictl switchover", switchover)
+    assert cluster.primary() is candidate
+    assert_no_write_lost(outcome, load, cluster)
