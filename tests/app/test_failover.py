@@ -9,11 +9,11 @@ import pytest
 from flask import Flask
 from psycopg import conninfo, sql
 
-from conftest import count_pets
 from petstore import auth, config, create_app, db
-from support.checks import assert_error
-from support.databases import empty_database
-from support.servers import free_port
+from tests.conftest import count_pets
+from tests.support.checks import assert_error
+from tests.support.databases import empty_database
+from tests.support.servers import free_port
 
 RATE_HEADERS = ("X-RateLimit-Limit", "X-RateLimit-Remaining")
 NEW_PET = {"name": "Rex", "categoryId": 1, "status": "available"}

@@ -13,11 +13,11 @@ import pytest
 from flask import Flask
 from psycopg import conninfo
 
-from conftest import count_pets
 from petstore import config, db
-from support.checks import assert_error
-from support.databases import empty_database
-from support.servers import free_port
+from tests.conftest import count_pets
+from tests.support.checks import assert_error
+from tests.support.databases import empty_database
+from tests.support.servers import free_port
 
 NEW_PET = {"name": "Rex", "categoryId": 1, "status": "available"}
 # The standby's own pet: an id the primary's test rows never reach.

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from support.servers import LOOPBACK, ROOT, ServerProcess, free_port
+from tests.support.servers import LOOPBACK, ROOT, ServerProcess, free_port
 
 PATRONI_YML = ROOT / "deploy" / "patroni.yml"
 PG_BIN = Path("/usr/lib/postgresql/15/bin")

@@ -24,10 +24,10 @@ import yaml
 from psycopg import conninfo
 
 from petstore import auth, cli, config, db
-from support.load import MixedLoad
-from support.nginx import Deployment, deploy
-from support.patroni import PATRONI_YML, Etcd, PatroniNode
-from support.servers import RedisServer, poll_until, run_every
+from tests.support.load import MixedLoad
+from tests.support.nginx import Deployment, deploy
+from tests.support.patroni import PATRONI_YML, Etcd, PatroniNode
+from tests.support.servers import RedisServer, poll_until, run_every
 
 DCS = yaml.safe_load(PATRONI_YML.read_text(encoding="utf-8"))["bootstrap"]["dcs"]
 TTL = int(DCS["ttl"])
