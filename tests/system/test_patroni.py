@@ -23,7 +23,7 @@ import pytest
 import yaml
 from psycopg import conninfo
 
-from petstore import auth, cli, config, db
+from petstore import auth, config, db, devserver
 from tests.support.load import MixedLoad
 from tests.support.nginx import Deployment, deploy
 from tests.support.patroni import PATRONI_YML, Etcd, PatroniNode
@@ -98,7 +98,7 @@ class Cluster:
         assert poll_until(first.is_primary, bool, CLUSTER_READY, 0.2), first.log()
         second.start()
         assert poll_until(second.is_sync_standby, bool, CLUSTER_READY, 0.2), second.log()
-        cli.ensure_database(self.url("postgres"), "petstore")
+        devserver.ensure_database(self.url("postgres"), "petstore")
         with self.connect() as conn:
             db.upgrade(conn)
             self.key, _row = auth.issue_key(conn, "enterprise", "patroni", 10**7, 10**8)
