@@ -777,7 +777,7 @@ def machine_facts(conn: Conn, server_url: str | None) -> dict[str, str]:
         )
         return (done.stdout + done.stderr).strip()
 
-    dirty = output("git", "status", "--porcelain", "petstore", "sql", "wsgi.py", "deploy")
+    dirty = output("git", "status", "--porcelain", "petstore", "wsgi.py", "deploy")
     return {
         "cpu": models[0] if models else platform.machine(),
         "cores": str(os.cpu_count()),

@@ -25,7 +25,7 @@ BEARER = re.compile(r"bearer +(.+)", re.IGNORECASE | re.ASCII | re.DOTALL)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# What a key may do (sql/0005): GET operations need read, POST ones write. New keys get both.
+# What a key may do (petstore/sql/0005): GET operations need read, POST ones write. New keys get both.
 SCOPES = ("read", "write")
 
 

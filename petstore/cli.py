@@ -30,6 +30,9 @@ GUNICORN_CONFIG = Path("deploy/gunicorn.conf.py")
 # embedded database for the other commands run from the checkout.
 RUN_LOCK = "make-run.lock"
 RECORDED_URL = "database-url"
+# Under var/, readable by its owner only: make run's development key, kept across restarts so
+# that the terminal it was pasted in keeps working.
+DEV_KEY_FILE = "development-key"
 FROM_MAKE_RUN = "petstore.cli.from_make_run"
 
 
@@ -414,16 +417,17 @@ def serve_locked(bind: str, var_dir: Path) -> None:
         settings = load_settings()
         with database(settings) as conn:
             db.upgrade(conn)
-            # Keys are shown once and stored hashed, so each run makes a new dev key and retires the last.
-            keys.revoke_keys_labelled(conn, DEV_KEY_LABEL)
-            key, row = auth.issue_key(conn, "free", DEV_KEY_LABEL, None, None)
+            key, key_id, kept = development_key(conn, var_dir / DEV_KEY_FILE)
         click.echo(f"database: {settings['DATABASE_URL']}")
-        click.echo(f"development key {row['id']} (plan free), valid until the next `make run`:")
+        if kept:
+            click.echo(f"development key {key_id} (plan free), the same as last time:")
+        else:
+            click.echo(f"development key {key_id} (plan free), kept in {var_dir / DEV_KEY_FILE}:")
         click.echo(f"  {key}")
         click.echo("try, in another terminal:")
         click.echo(f"  KEY={key}")
         click.echo(f'  curl -H "Authorization: Bearer $KEY" http://{bind}/v1/pets')
-        click.echo("  .venv/bin/petstore keys list")
+        click.echo(f"  cd {Path.cwd()} && .venv/bin/petstore keys list")
         click.echo(f"API docs: http://{bind}/v1/docs")
         sys.stdout.flush()
         sys.exit(run_gunicorn(bind))
@@ -432,6 +436,30 @@ def serve_locked(bind: str, var_dir: Path) -> None:
         if embedded_dir is not None and started:
             click.echo("stopping the embedded PostgreSQL ...")
             embedded.stop(embedded_dir)
+
+
+def development_key(conn: db.Connection, path: Path) -> tuple[str, int, bool]:
+    """make run's key: (secret, id, whether it is the one kept in `path` from an earlier run).
+
+    Keys are stored hashed, so the secret is kept in `path` (mode 0600). When that key no longer
+    works on this database (revoked, expired, another database), a new one replaces it and
+    every other development key is revoked.
+    """
+    try:
+        kept = path.read_text(encoding="utf-8").strip()
+    except OSError:
+        kept = ""
+    if kept:
+        row = keys.find_key_by_hash(conn, auth.hash_key(kept))
+        if row is not None and not row["expired"]:
+            return kept, int(row["id"]), True
+    keys.revoke_keys_labelled(conn, DEV_KEY_LABEL)
+    key, row = auth.issue_key(conn, "free", DEV_KEY_LABEL, None, None)
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write(key + "\n")
+    return key, int(row["id"]), False
 
 
 def parse_bind(bind: str) -> tuple[str, int]:

@@ -112,7 +112,7 @@ def test_petstore_command_is_installed(venv: Path, outside: Path) -> None:
 
 def test_migrations_ship_inside_the_installed_package(venv: Path, outside: Path) -> None:
     in_checkout = sorted(
-        path.name for path in (ROOT / "sql").iterdir() if MIGRATION.match(path.name)
+        path.name for path in (ROOT / "petstore" / "sql").iterdir() if MIGRATION.match(path.name)
     )
 
     result = run(
