@@ -32,13 +32,13 @@ test-fast: $(VENV)/.installed  ## Run the in-process tier only (tests/app): well
 	$(BIN)/pytest tests/app $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed  ## ruff and mypy
-	$(BIN)/ruff check petstore tests bench deploy wsgi.py
-	$(BIN)/ruff format --check petstore tests bench deploy wsgi.py
+	$(BIN)/ruff check petstore tests bench deploy docs wsgi.py
+	$(BIN)/ruff format --check petstore tests bench deploy docs wsgi.py
 	$(BIN)/mypy petstore bench wsgi.py
 
 format: $(VENV)/.installed  ## Rewrite the code in ruff's format
-	$(BIN)/ruff format petstore tests bench deploy wsgi.py
-	$(BIN)/ruff check --fix petstore tests bench deploy wsgi.py
+	$(BIN)/ruff format petstore tests bench deploy docs wsgi.py
+	$(BIN)/ruff check --fix petstore tests bench deploy docs wsgi.py
 
 docs: $(VENV)/.installed  ## Build the manual (docs/) into docs/_build/html; any Sphinx warning fails
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html

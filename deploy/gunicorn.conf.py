@@ -63,9 +63,9 @@ overrides.use_json_refusals()
 # BIND: the address nginx proxies to; several, comma-separated, are allowed.
 bind = _env("BIND", "127.0.0.1:8000").split(",")
 
-# The defaults are what `make bench --configs` measured on 2 cores (bench/results/): with a
-# shared storage (redis://), gunicorn's own recommendation behind nginx, sync workers, 2 per
-# core + 1. Sync workers beat threaded ones in every run (GET /v1/pets?limit=20 in the last: 3,
+# The defaults are what `make bench BENCH_ARGS=--configs` measured on 2 cores (bench/results/):
+# with a shared storage (redis://), gunicorn's own recommendation behind nginx, sync workers, 2
+# per core + 1. Sync workers beat threaded ones in every run (GET /v1/pets?limit=20 in the last: 3,
 # 4 and 5 sync workers 2,236, 2,199 and 2,206 a second, 2 gthread workers × 4 threads 1,593, one
 # worker × 4 threads 1,016); between 3, 4 and 5 the order changes from run to run. memory://
 # counts in one process, so it gets one gthread worker with 4 threads.

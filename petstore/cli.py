@@ -417,12 +417,15 @@ def serve_locked(bind: str, var_dir: Path) -> None:
         settings = load_settings()
         with database(settings) as conn:
             db.upgrade(conn)
-            key, key_id, kept = development_key(conn, var_dir / DEV_KEY_FILE)
+            kept_in = var_dir / DEV_KEY_FILE
+            key, key_id, kept = development_key(conn, kept_in)
         click.echo(f"database: {settings['DATABASE_URL']}")
         if kept:
-            click.echo(f"development key {key_id} (plan free), the same as last time:")
+            click.echo(f"development key {key_id} (plan free), the last run's, from {kept_in}:")
         else:
-            click.echo(f"development key {key_id} (plan free), kept in {var_dir / DEV_KEY_FILE}:")
+            click.echo(
+                f"development key {key_id} (plan free), new, kept for the next runs in {kept_in}:"
+            )
         click.echo(f"  {key}")
         click.echo("try, in another terminal:")
         click.echo(f"  KEY={key}")
