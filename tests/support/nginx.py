@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,14 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-
+from support.programs import program
 from support.servers import LOOPBACK, Gunicorn, ServerFailed, ServerProcess, poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE_CONF = ROOT / "deploy" / "nginx" / "petstore.conf"
 GUNICORN_CONF = ROOT / "deploy" / "gunicorn.conf.py"
-INSTALL_HINT = "run .ci/install-nginx (Debian's nginx package)"
 
 # What the shipped file says, and what the tests put in its place.
 UPSTREAM_BLOCK = re.compile(r"(upstream petstore \{\n)(.*?)(\n\})", re.S)
@@ -34,10 +31,7 @@ ACCESS_LOG = re.compile(r"^(\s*)access_log\s+/\S+\s+petstore_json;$", re.M)
 
 def nginx_binary() -> str:
     """The nginx program; skips the test when it is missing (conftest fails skips under CI)."""
-    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
-    if found is None:
-        pytest.skip(f"nginx is not installed: {INSTALL_HINT}")
-    return found
+    return program("nginx")
 
 
 def render_site(upstreams: Sequence[str], listen: str, access_log: Path) -> str:
@@ -146,7 +140,7 @@ class Nginx(ServerProcess):
         main = self.write_config()
         test = self.command(main, "-t")
         if self.netns is not None:  # `nginx -t` binds the listen address too
-            test = ["ip", "netns", "exec", self.netns, *test]
+            test = [program("ip"), "netns", "exec", self.netns, *test]
         check = subprocess.run(test, capture_output=True, text=True, timeout=self.start_timeout)
         if check.returncode != 0:
             raise ServerFailed(f"nginx -t refused the rendered config:\n{check.stderr}")

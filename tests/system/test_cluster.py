@@ -15,6 +15,7 @@ import redis.cluster
 from petstore import auth, config, db, storages
 from support.checks import call
 from support.databases import empty_database
+from support.programs import program
 from support.servers import Gunicorn, RedisClusterNode, poll_until, redis_command, redis_fields
 
 NODES = 3
@@ -42,7 +43,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisClus
             node.start()
         created = subprocess.run(
             [
-                "redis-cli",
+                program("redis-cli"),
                 "--cluster",
                 "create",
                 *(f"127.0.0.1:{node.port}" for node in nodes),
