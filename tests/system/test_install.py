@@ -1,4 +1,4 @@
-"""deploy/install.sh, the README's single-host deployment, run for real on loopback.
+"""deploy/install.sh, the single-host deployment of docs/deploying.rst, run for real on loopback.
 
 It runs with a throwaway role and database on the test's PostgreSQL server, its environment file
 and gunicorn's pid file and log in a temporary directory, this virtualenv, and a free port; the

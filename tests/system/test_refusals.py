@@ -20,7 +20,7 @@ from support.nginx import Deployment, Nginx, deploy
 from support.servers import LOOPBACK, SilentServer
 
 ENVIRON = {"PETSTORE_PROXY_COUNT": "1", "RATELIMIT_STORAGE_URI": "memory://"}
-# The limits both layers share (README.rst, "Deploying behind nginx").
+# The limits both layers share (docs/deploying.rst).
 MAX_REQUEST_LINE = 8190
 MAX_HEADER_FIELDS = 100
 LAYERS = ["nginx", "gunicorn"]
