@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -13,9 +13,11 @@ import docutils.core
 import docutils.utils
 import pytest
 import yaml
+from click.testing import CliRunner
 from flask.testing import FlaskClient
 
 from petstore import config, overrides
+from petstore.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.rst"
@@ -28,6 +30,11 @@ VOLATILE = [
     (re.compile(r"^(X-Request-ID: )[0-9a-f]{32}$", re.M), r"\g<1>ID"),
     (re.compile(r"^(X-RateLimit-Reset: )\d+$", re.M), r"\g<1>RESET"),
     (re.compile(r'^(RateLimit: "\w+";r=\d+;t=)\d+$', re.M), r"\g<1>T"),
+    (re.compile(r"^(Retry-After: )\d+$", re.M), r"\g<1>SECONDS"),
+    (re.compile(r"ps_[A-Za-z0-9_-]{43}"), "KEY"),
+    (re.compile(r"ps_[A-Za-z0-9_-]{8}"), "PREFIX"),
+    (re.compile(r'("(?:reset|until)": )\d+'), r"\g<1>UNIX"),
+    (re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d\+\d\d:?\d\d"), "INSTANT"),
 ]
 
 
@@ -145,30 +152,36 @@ def test_the_fault_table_names_every_fault_the_tests_inject() -> None:
     assert [fault for fault in faults if f"   * - {fault}\n" not in text] == []
 
 
-def session() -> Iterator[tuple[str, str]]:
-    """The README's curl session: (command, its output as shown), continuation lines joined."""
-    text = README.read_text(encoding="utf-8")
-    block = text[text.index(".. session-start") : text.index(".. session-end")]
+def session(block: str | None = None) -> Iterator[tuple[str, str]]:
+    """The shell session of a text (the README's by default): (command, its output as shown),
+    continuation lines joined; only the indented lines of its literal blocks count."""
+    if block is None:
+        text = README.read_text(encoding="utf-8")
+        block = text[text.index(".. session-start") : text.index(".. session-end")]
     literal = block[block.index("\n    $ ") + 1 :].rstrip()
-    lines = [line.removeprefix("    ") for line in literal.splitlines()]
+    lines = [
+        line.removeprefix("    ")
+        for line in literal.splitlines()
+        if line.startswith("    ") or not line.strip()
+    ]
     command: str | None = None
     output: list[str] = []
     for line in lines:
         if line.startswith("$ "):
             if command is not None:
-                yield command, "\n".join(output)
+                yield command, "\n".join(output).rstrip("\n")
             command, output = line[2:], []
         elif command is not None and command.endswith("\\"):
             command = command[:-1] + line.strip()
         else:
             output.append(line)
     if command is not None:
-        yield command, "\n".join(output)
+        yield command, "\n".join(output).rstrip("\n")
 
 
-def replay(client: FlaskClient, key: str, command: str) -> str:
+def replay(client: FlaskClient, key: str, command: str, variable: str = "$KEY") -> str:
     """What `curl` prints for this command, asked of the app through the test client."""
-    words = [word.replace("$KEY", key) for word in shlex.split(command, comments=True)]
+    words = [word.replace(variable, key) for word in shlex.split(command, comments=True)]
     assert words[0] == "curl", command
     flags, headers, data, url = "", {}, None, None
     rest = iter(words[1:])
@@ -215,3 +228,32 @@ def test_readme_session_is_what_the_service_answers(client: FlaskClient, api_key
             assert [line.split(":")[0] for line in shown.splitlines()[1:4]] == list(
                 SERVER_HEADERS
             ), "gunicorn's own headers come first"
+
+
+def test_the_ban_examples_are_what_the_service_answers(
+    client: FlaskClient, issue_key: Callable[..., str], database_url: str, tmp_path: Path
+) -> None:
+    """docs/usage.rst's 429s, ban, /v1/rate_limit and `petstore bans`, replayed in their order
+    with the key they create (id 2, after make run's key 1), requests left out of the text sent
+    where the text says: the first request (a 200), then the 429s before the ninth."""
+    text = (DOCS / "usage.rst").read_text(encoding="utf-8")
+    part = text[text.index("The examples below use a key allowed") : text.index("And with its")]
+    steps = list(session(part))
+    issue_key("free")
+    created, variable = steps[0], steps[1][0]
+    assert created[0].startswith(".venv/bin/petstore keys create") and variable.startswith("BATCH=")
+    runner = CliRunner()
+    environ = {"DATABASE_URL": database_url, "PETSTORE_VAR_DIR": str(tmp_path)}
+    made = runner.invoke(main, shlex.split(created[0])[1:], env=environ)
+    assert comparable(made.stdout) == comparable(created[1])
+    key = made.stdout.splitlines()[-1]
+    unshown = {2: 1, 3: 7}  # before the first curl shown, a 200; before the ninth 429, seven more
+    for number, (command, shown) in enumerate(steps[2:], start=2):
+        for _ in range(unshown.get(number, 0)):
+            client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"})
+        if command.startswith("curl "):
+            answered = replay(client, key, command, "$BATCH")
+        else:
+            assert command.startswith(".venv/bin/petstore "), command
+            answered = runner.invoke(main, shlex.split(command)[1:], env=environ).stdout.rstrip()
+        assert comparable(answered) == comparable(shown), command
