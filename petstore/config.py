@@ -170,6 +170,11 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_ANONYMOUS_CLIENTS": ("ANONYMOUS_CLIENTS", _int(1), 10_000),
     "PETSTORE_BAN_THRESHOLD": ("BAN_THRESHOLD", _int(1), 10),
     "PETSTORE_BAN_SECONDS": ("BAN_SECONDS", _int(1), 900),
+    # Escalation: a ban that starts less than BAN_REPEAT_SECONDS after the key's last one ended
+    # lasts BAN_ESCALATION times as long as that one, at most BAN_MAX_SECONDS.
+    "PETSTORE_BAN_ESCALATION": ("BAN_ESCALATION", _int(1), 2),
+    "PETSTORE_BAN_MAX_SECONDS": ("BAN_MAX_SECONDS", _int(1), 86_400),
+    "PETSTORE_BAN_REPEAT_SECONDS": ("BAN_REPEAT_SECONDS", _int(0), 86_400),
     "PETSTORE_REDIS_TIMEOUT": ("REDIS_TIMEOUT", _float(0.01), 0.25),
     # Read by wsgi.py and deploy/gunicorn.conf.py for logging; checked here with the rest.
     "PETSTORE_LOG_LEVEL": ("LOG_LEVEL", _log_level, "INFO"),

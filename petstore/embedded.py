@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import importlib.util
@@ -14,7 +13,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,7 +21,6 @@ from urllib.parse import quote
 __all__ = [
     "EmbeddedPostgresError",
     "ensure_running",
-    "main",
     "start_unless_running",
     "stop",
     "url",
@@ -79,7 +76,7 @@ def url(datadir: Path, dbname: str = "postgres") -> str:
     if port is None:
         raise EmbeddedPostgresError(
             f"{datadir} holds no embedded PostgreSQL cluster with a recorded port; "
-            f"start it first (`python -m petstore.embedded start {datadir}`)"
+            "start it first (ensure_running)"
         )
     return f"postgresql://{SUPERUSER}@{HOST}:{port}/{quote(dbname, safe='')}"
 
@@ -129,27 +126,6 @@ def stop(datadir: Path) -> None:
                 f"could not stop PostgreSQL in {datadir} (pg_ctl exit {code}):\n{output.strip()}"
             )
     _log.info("stopped PostgreSQL in %s", datadir)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `python -m petstore.embedded {start,stop,url} DATADIR` command line."""
-    parser = argparse.ArgumentParser(prog="python -m petstore.embedded", description=__doc__)
-    parser.add_argument("action", choices=("start", "stop", "url"), help="start prints the URL")
-    parser.add_argument("datadir", type=Path, help="cluster directory, e.g. var/postgres")
-    args = parser.parse_args(argv)
-    # Progress goes to stderr so that stdout carries only the URL, for $(...) in scripts.
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:
-        if args.action == "start":
-            print(ensure_running(args.datadir))
-        elif args.action == "stop":
-            stop(args.datadir)
-        else:
-            print(url(args.datadir))
-    except EmbeddedPostgresError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _absolute(datadir: Path) -> Path:
@@ -464,7 +440,3 @@ def _port_is_free(port: int) -> bool:
         except OSError:
             return False
         return True
-
-
-if __name__ == "__main__":
-    sys.exit(main())

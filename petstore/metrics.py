@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import psycopg
@@ -41,14 +41,11 @@ from petstore.config import ConfigError
 
 EXTENSION = "petstore.metrics"
 
-# Flask endpoint -> the operationId of petstore/openapi.py (or a name of our own outside /v1).
-# Anything else, unrouted requests (404, 405) included, is "unknown".
-OPERATIONS: dict[str | None, str] = {
-    "pets.list_pets": "listPets",
-    "pets.create_pet": "createPet",
-    "pets.get_pet": "getPet",
-    "orders.list_orders": "listOrders",
-    "rate_limit.get_rate_limit": "getRateLimit",
+# Requests are counted by operation: the operationId of an API operation's route (init_app is given
+# them, from the views' OpenAPI descriptions: petstore.views.operation_ids), else a name of our
+# own for these endpoints, which the document does not describe. Anything else, unrouted requests
+# (404, 405) included, is "unknown".
+OTHER_ENDPOINTS: dict[str, str] = {
     "docs.openapi_json": "openapi",
     "docs.docs_page": "docs",
     "docs.docs_asset": "docsAsset",
@@ -58,7 +55,7 @@ OPERATIONS: dict[str | None, str] = {
 }
 UNKNOWN = "unknown"
 
-# The codes of a 429 (petstore/budgets.py, petstore/bans.py); any other body would be counted as "other".
+# The codes of a 429 (petstore/ratelimit/budgets.py, bans.py); any other body would be counted as "other".
 TOO_MANY_REQUESTS_CODES = frozenset({"rate_limited", "api_key_banned"})
 
 # Seconds. The service answers in 1 to 50 ms when healthy, so that range gets most bounds;
@@ -161,16 +158,22 @@ class Metrics:
     pool_waiting: Gauge
     build_info: Gauge
     registry: CollectorRegistry
+    # Flask endpoint -> the operation its requests are counted by (any other: UNKNOWN).
+    operations: dict[str, str]
     tally: Tally = field(default_factory=Tally)
+
+    def operation(self, endpoint: str | None) -> str:
+        """The operation a request to `endpoint` is counted by."""
+        return UNKNOWN if endpoint is None else self.operations.get(endpoint, UNKNOWN)
 
     def flush(self) -> None:
         """Write the tallied requests and latencies to prometheus_client."""
         requests, latency = self.tally.take()
         for (endpoint, status), count in requests.items():
-            operation = OPERATIONS.get(endpoint, UNKNOWN)
+            operation = self.operation(endpoint)
             self.requests.labels(operation=operation, status=str(status)).inc(count)
         for endpoint, slots in latency.items():
-            histogram = self.latency.labels(operation=OPERATIONS.get(endpoint, UNKNOWN))
+            histogram = self.latency.labels(operation=self.operation(endpoint))
             # Histogram.observe() takes one value at a time; its bucket counters and sum take
             # any amount (prometheus_client keeps a bucket's own count and adds them up when read).
             # Private attributes of the pinned prometheus-client: tests/app/test_metrics.py checks
@@ -198,8 +201,9 @@ class Metrics:
         )
 
 
-def build() -> Metrics:
-    """The metric objects, not registered anywhere (init_app decides how a scrape reads them).
+def build(operation_ids: Mapping[str, str]) -> Metrics:
+    """The metric objects, not registered anywhere (init_app decides how a scrape reads them);
+    requests counted by `operation_ids` (Flask endpoint -> operationId) and OTHER_ENDPOINTS.
 
     Gauges are per worker and summed over the live ones ("livesum"): a dead worker's files are
     dropped by gunicorn's child_exit hook, so its last pool numbers do not linger in the sum.
@@ -280,9 +284,10 @@ def build() -> Metrics:
             multiprocess_mode="livemax",
         ),
         registry=CollectorRegistry(auto_describe=True),
+        operations={**operation_ids, **OTHER_ENDPOINTS},
     )
     # Known series start at zero, so that rate() and increase() see their first increment.
-    for operation in sorted({*OPERATIONS.values(), UNKNOWN}):
+    for operation in sorted({*metrics.operations.values(), UNKNOWN}):
         latency.labels(operation=operation)
     for code in sorted(TOO_MANY_REQUESTS_CODES):
         too_many_requests.labels(code=code)
@@ -331,7 +336,7 @@ def idempotent_replayed() -> None:
 
 
 def ban_created() -> None:
-    """A key was banned (petstore.bans.strike)."""
+    """A key was banned (petstore.ratelimit.bans.strike)."""
     get_metrics().bans_created.inc()
 
 
@@ -342,7 +347,7 @@ def database_unavailable(error: BaseException) -> None:
 
 
 def ratelimit_storage_failed() -> None:
-    """The limiter's storage failed and this worker now counts in memory (petstore.overrides.PlanLimiter.count)."""
+    """The limiter's storage failed; this worker now counts in memory (ratelimit.limiter.PlanLimiter.count)."""
     get_metrics().ratelimit_storage_errors.inc()
 
 
@@ -411,10 +416,11 @@ def service_version() -> str:
         return "unknown"
 
 
-def init_app(app: Flask) -> None:
-    """Create the app's metrics, the registry a scrape reads and, with several workers, a sampler."""
+def init_app(app: Flask, operation_ids: Mapping[str, str]) -> None:
+    """Create the app's metrics, the registry a scrape reads and, with several workers, a sampler;
+    requests counted by `operation_ids` (Flask endpoint -> operationId, petstore.views)."""
     directory = app.config["METRICS_DIR"]
-    metrics = build()
+    metrics = build(operation_ids)
     if directory:
         if not multiprocess_mode():
             # config.check saw the variable set: prometheus_client was imported before it was.

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin
 from werkzeug.http import http_date
 
-from petstore import errors, plans, schemas
+from petstore import errors, schemas
+from petstore.ratelimit import plans
 
 # 3.0, not 3.1: in 3.1 (JSON Schema 2020-12) `1.0` is an integer, but this service refuses it
 # for categoryId (a JSON integer literal is required); 3.0's Schema Object says the same as we do.
@@ -54,7 +55,7 @@ method an operation does not list answers 405 `method_not_allowed` with an `Allo
 
 
 def description() -> str:
-    """info.description, with the plans' numbers from petstore.plans."""
+    """info.description, with the plans' numbers from petstore.ratelimit.plans."""
     numbers = ", ".join(
         f"{plan} {per_minute:,}/minute and {per_day:,}/day"
         for plan, (per_minute, per_day) in plans.PLAN_LIMITS.items()
@@ -62,7 +63,9 @@ def description() -> str:
     return DESCRIPTION.format(plans=numbers)
 
 
-def error_response(status: int, description: str, headers: tuple[str, ...] = ()) -> dict[str, Any]:
+def error_response_object(
+    status: int, description: str, headers: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """A response object with the Error body, the rate-limit headers and `headers` (component ids)."""
     codes = ", ".join(f"`{code}`" for code in errors.codes_of(status))
     return {
@@ -215,13 +218,13 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
     )
     spec.components.response(
         "BadRequest",
-        error_response(
+        error_response_object(
             400, "The request is invalid; `errors` names each bad field, when fields are to blame."
         ),
     )
     spec.components.response(
         "Unauthorized",
-        error_response(
+        error_response_object(
             401,
             "The API key is missing, malformed, unknown, revoked or expired.",
             ("WWW-Authenticate",),
@@ -229,7 +232,7 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
     )
     spec.components.response(
         "TooManyRequests",
-        error_response(
+        error_response_object(
             429,
             "The rate limit is spent (`rate_limited`), or the key is banned for calling on "
             "after 429s (`api_key_banned`). `Retry-After` says when to try again.",
@@ -237,11 +240,11 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
         ),
     )
     spec.components.response(
-        "InternalError", error_response(500, "The service failed; no detail is given.")
+        "InternalError", error_response_object(500, "The service failed; no detail is given.")
     )
     spec.components.response(
         "ServiceUnavailable",
-        error_response(
+        error_response_object(
             503,
             "The database is unavailable or too slow; retry after `Retry-After`.",
             ("Retry-After",),
@@ -261,17 +264,20 @@ def common_responses() -> dict[str, str]:
 
 # An operation's OpenAPI description, from the app's settings: the Operation Object.
 Describe = Callable[[Mapping[str, Any]], dict[str, Any]]
+# (path under /v1, method, its description): what build_document is given for each operation.
+Described = tuple[str, str, Describe]
 
 
 class Operations:
     """The OpenAPI descriptions of one views module's operations, each written beside its view.
 
     `@OPERATIONS.describe("/pets", "get")` on a function (settings -> Operation Object) next to
-    the view it describes; add_paths gathers every views module's, in the order written.
+    the view it describes; petstore.views.described() gathers every resource's, in the order
+    written, for build_document.
     """
 
     def __init__(self) -> None:
-        self.described: list[tuple[str, str, Describe]] = []
+        self.described: list[Described] = []
 
     def describe(self, path: str, method: str) -> Callable[[Describe], Describe]:
         """Register the decorated function as the description of `method` on `path` (under /v1)."""
@@ -283,22 +289,18 @@ class Operations:
         return register
 
 
-def add_paths(spec: APISpec, config: Mapping[str, Any]) -> None:
-    """The operations, as the views modules describe them."""
-    # Imported here: the views import this module's helpers for their descriptions.
-    from petstore.views import orders, pets, rate_limit
-
+def add_paths(spec: APISpec, config: Mapping[str, Any], descriptions: Iterable[Described]) -> None:
+    """The operations, as the views describe them (petstore.views.described)."""
     paths: dict[str, dict[str, Any]] = {}
-    for operations in (pets.OPERATIONS, rate_limit.OPERATIONS, orders.OPERATIONS):
-        for path, method, describe in operations.described:
-            paths.setdefault(path, {})[method] = describe(config)
+    for path, method, describe in descriptions:
+        paths.setdefault(path, {})[method] = describe(config)
     for path, described in paths.items():
         spec.path(path, operations=described)
 
 
 def deprecated_error(status: int, description: str) -> dict[str, Any]:
     """An Error response of getPet itself, with its deprecation headers."""
-    response = error_response(status, description)
+    response = error_response_object(status, description)
     response["headers"].update(deprecation_headers())
     return response
 
@@ -316,8 +318,11 @@ def servers(config: Mapping[str, Any], base_url: str | None = None) -> list[dict
     return [first, {"url": config["STAGING_BASE_URL"], "description": "Staging"}]
 
 
-def build_document(config: Mapping[str, Any], base_url: str | None = None) -> dict[str, Any]:
-    """The OpenAPI document for an app with this configuration, first server as servers() says."""
+def build_document(
+    config: Mapping[str, Any], descriptions: Iterable[Described], base_url: str | None = None
+) -> dict[str, Any]:
+    """The OpenAPI document for an app with this configuration and these operations
+    (petstore.views.described()), first server as servers() says."""
     spec = APISpec(
         title="Animal Store",
         version=API_VERSION,
@@ -333,7 +338,7 @@ def build_document(config: Mapping[str, Any], base_url: str | None = None) -> di
         ],
     )
     add_components(spec, config)
-    add_paths(spec, config)
+    add_paths(spec, config, descriptions)
     document = spec.to_dict()
     # The usual reading order: what it is, where, then what it offers.
     document["info"] = {key: document["info"][key] for key in ("title", "version", "description")}

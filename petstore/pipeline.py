@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from flask import Flask, Response, g, request
 
-from petstore import auth, bans, budgets, logs, metrics, web
+from petstore import auth, logs, metrics, web
 from petstore.errors import DATABASE_UNAVAILABLE
+from petstore.ratelimit import bans, budgets
 
 
 def before_view() -> None:

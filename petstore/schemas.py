@@ -7,6 +7,8 @@ from typing import Any
 
 from marshmallow import RAISE, Schema, ValidationError, fields, validate
 
+from petstore.ratelimit.plans import PLANS
+
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 PET_STATUSES = ("available", "pending", "sold")
@@ -53,7 +55,7 @@ class NewPetSchema(Schema):
         validate=validate.Length(min=1),
         metadata={
             "description": "The animal's name: not empty, no NUL character.",
-            # What storable_text checks, for the API description (JSON Schema has no NUL check).
+            # What StorableText checks, for the API description (JSON Schema has no NUL check).
             "pattern": NO_NUL_PATTERN,
             "example": "Rex",
         },
@@ -223,7 +225,7 @@ class RateLimitSchema(Schema):
     plan = fields.String(
         required=True,
         metadata={
-            "enum": ["free", "pro", "business", "enterprise"],
+            "enum": list(PLANS),
             "description": "The key's plan.",
             "example": "free",
         },

@@ -8,13 +8,20 @@ from petstore.db import Connection
 
 
 def insert_ban(
-    conn: Connection, *, key_id: int, base_seconds: int, strikes: int
+    conn: Connection,
+    *,
+    key_id: int,
+    base_seconds: int,
+    strikes: int,
+    escalation: int,
+    max_seconds: int,
+    repeat_seconds: int,
 ) -> dict[str, Any] | None:
     """Ban a key unless it is banned already; None then.
 
-    The length is `base_seconds`, or double the previous ban's (capped at 24 hours)
-    when that one ended less than 24 hours ago. Run it in a transaction: it takes
-    a lock on the key so that two workers cannot ban it twice.
+    The length is `base_seconds`, or `escalation` times the previous ban's (capped at
+    `max_seconds`) when that one ended less than `repeat_seconds` ago. Run it in a
+    transaction: it takes a lock on the key so that two workers cannot ban it twice.
     """
     conn.execute("select pg_advisory_xact_lock(%(key_id)s)", {"key_id": key_id})
     return conn.execute(
@@ -29,9 +36,9 @@ def insert_ban(
         ),
         length as (
             select coalesce(
-                       (select least(seconds * 2, 86400)
+                       (select least(seconds * %(escalation)s, %(max_seconds)s)
                           from previous
-                         where ended_at > now() - interval '24 hours'),
+                         where ended_at > now() - make_interval(secs => %(repeat_seconds)s)),
                        %(base_seconds)s
                    ) as seconds
         )
@@ -50,7 +57,14 @@ def insert_ban(
                )
         returning id, key_id, banned_at, banned_until, seconds
         """,
-        {"key_id": key_id, "base_seconds": base_seconds, "strikes": strikes},
+        {
+            "key_id": key_id,
+            "base_seconds": base_seconds,
+            "strikes": strikes,
+            "escalation": escalation,
+            "max_seconds": max_seconds,
+            "repeat_seconds": repeat_seconds,
+        },
     ).fetchone()
 
 

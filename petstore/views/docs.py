@@ -94,10 +94,12 @@ class Documents:
 
 
 @bp.record_once
-def build_document(state: BlueprintSetupState) -> None:
-    """Build the document once per app, when the blueprint is registered."""
+def store_document(state: BlueprintSetupState) -> None:
+    """Build the document once per app, when the blueprint is registered with the operations it
+    describes (`descriptions=petstore.views.described()`, see create_app)."""
     config = state.app.config
-    state.app.extensions[EXTENSION] = Documents(openapi.build_document(config), config)
+    document = openapi.build_document(config, state.options["descriptions"])
+    state.app.extensions[EXTENSION] = Documents(document, config)
 
 
 @bp.get("/openapi.json")

@@ -8,7 +8,7 @@ from typing import Any
 from flask import Blueprint, Response
 
 from petstore.errors import APIError
-from petstore.openapi import Operations, common_responses, error_response
+from petstore.openapi import Operations, common_responses, error_response_object
 
 bp = Blueprint("orders", __name__)
 OPERATIONS = Operations()
@@ -25,7 +25,7 @@ def describe_list_orders(config: Mapping[str, Any]) -> dict[str, Any]:
         "parameters or payloads, nor the fields of an order. Rather than invent them, "
         "the service answers 501 to every authorized call.",
         "responses": {
-            "501": error_response(
+            "501": error_response_object(
                 501, "Store orders are not specified, so they are not implemented."
             ),
             **common_responses(),

@@ -19,11 +19,11 @@ from petstore.openapi import (
     common_responses,
     deprecated_error,
     deprecation_headers,
-    error_response,
+    error_response_object,
     rate_limit_headers,
 )
 from petstore.queries import pets as pet_sql
-from petstore.web import json_body, json_response, validate, validate_query
+from petstore.web import API_PREFIX, json_body, json_response, validate, validate_query
 
 bp = Blueprint("pets", __name__)
 OPERATIONS = Operations()
@@ -71,7 +71,7 @@ def list_pets() -> Response:
         following = f"limit={query['limit']}&after={page['last_id']}"
         if status is not None:
             following += f"&status={status}"
-        headers["Link"] = f'</v1/pets?{following}>; rel="next"'
+        headers["Link"] = f'<{API_PREFIX}/pets?{following}>; rel="next"'
     return json_response(page["pets"], headers=headers)
 
 
@@ -109,20 +109,20 @@ def describe_create_pet(config: Mapping[str, Any]) -> dict[str, Any]:
                 },
             },
             "400": "BadRequest",
-            "403": error_response(
+            "403": error_response_object(
                 403,
                 "The API key lacks the `write` scope (a read-only key); "
                 '`WWW-Authenticate` says `error="insufficient_scope", scope="write"`.',
                 ("WWW-Authenticate",),
             ),
-            "409": error_response(
+            "409": error_response_object(
                 409, "The `Idempotency-Key` was used before with a different body."
             ),
-            "413": error_response(
+            "413": error_response_object(
                 413,
                 f"The body is longer than {config['MAX_CONTENT_LENGTH']} bytes.",
             ),
-            "415": error_response(415, "The body is not `application/json`."),
+            "415": error_response_object(415, "The body is not `application/json`."),
             **common_responses(),
         },
     }
@@ -164,7 +164,9 @@ def create_pet() -> Response:
             category_id=new_pet["category_id"],
             status=new_pet.get("status"),
         )
-        return json_response(row["pet"], 201, headers={"Location": f"/v1/pets/{row['id']}"})
+        return json_response(
+            row["pet"], 201, headers={"Location": f"{API_PREFIX}/pets/{row['id']}"}
+        )
 
     if key is None:
         return store(get_conn())
@@ -215,12 +217,13 @@ def get_pet(pet_id: str) -> Response:
     headers = {
         "Deprecation": f"@{config['DEPRECATED_AT']}",
         "Sunset": http_date(config["SUNSET"]),
-        "Link": '</v1/pets>; rel="successor-version"',
+        "Link": f'<{API_PREFIX}/pets>; rel="successor-version"',
     }
     if time.time() >= config["SUNSET"]:
         raise APIError(
             410,
-            "GET /v1/pets/{petId} was removed at its sunset; use GET /v1/pets with the status filter.",
+            f"GET {API_PREFIX}/pets/{{petId}} was removed at its sunset; "
+            f"use GET {API_PREFIX}/pets with the status filter.",
             headers=headers,
         )
     # Not an int64: no such pet (404), the same answer as for an id that does not exist.

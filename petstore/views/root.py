@@ -6,15 +6,16 @@ from flask import Blueprint, Response
 
 from petstore.auth import public
 from petstore.errors import error_response
+from petstore.web import API_PREFIX
 
 bp = Blueprint("root", __name__)
 
 MESSAGE = (
-    "Nothing is served at /. The API lives under /v1: its documentation is at /v1/docs, "
-    "its OpenAPI document at /v1/openapi.json."
+    f"Nothing is served at /. The API lives under {API_PREFIX}: its documentation is at "
+    f"{API_PREFIX}/docs, its OpenAPI document at {API_PREFIX}/openapi.json."
 )
 # RFC 8631 link relations, for clients that follow links rather than read messages.
-LINKS = '</v1/docs>; rel="service-doc", </v1/openapi.json>; rel="service-desc"'
+LINKS = f'<{API_PREFIX}/docs>; rel="service-doc", <{API_PREFIX}/openapi.json>; rel="service-desc"'
 
 
 @bp.get("/")

@@ -15,7 +15,6 @@ def literal_codes() -> list[tuple[str, int | None, str]]:
     found = []
     for path in sorted(PACKAGE.glob("**/*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        # petstore.openapi has an error_response of its own (a response object of the document).
         ours = {"APIError", "error_response"} if path.name == "errors.py" else set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module == "petstore.errors":

@@ -234,6 +234,27 @@ def test_repeat_bans_double_up_to_24_hours(
     assert [b["seconds"] for b in bans_of(conn)] == [50_000, 86_400]
 
 
+def test_ban_escalation_follows_its_settings(
+    make_app: Callable[..., Flask], issue_key: Callable[..., str], conn: db.Connection
+) -> None:
+    """Three times as long, at most 100 s, for a ban less than an hour after the last one ended."""
+    escalation = {"BAN_ESCALATION": 3, "BAN_MAX_SECONDS": 100, "BAN_REPEAT_SECONDS": 3600}
+    client = make_app(BAN_THRESHOLD=2, BAN_SECONDS=20, **escalation).test_client()
+    key = issue_key("enterprise", per_minute=1, per_day=1000)
+    warned = assert_error(hammer(client, key, 3)[1], 429, "rate_limited")
+    assert warned["message"].endswith(
+        "1 more refused request in this window bans this key for 20 seconds (3 times as long as "
+        "its last ban, up to 100 seconds, when that ended less than 1 hour ago)."
+    )
+    for _ in range(3):
+        conn.execute("update bans set lifted_at = now()")
+        hammer(client, key, 2)
+    assert [b["seconds"] for b in bans_of(conn)] == [20, 60, 100, 100]
+    conn.execute("update bans set lifted_at = now() - interval '2 hours'")
+    hammer(client, key, 2)
+    assert [b["seconds"] for b in bans_of(conn)][-1] == 20
+
+
 def test_ban_holds_across_an_app_restart(
     make_app: Callable[..., Flask], issue_key: Callable[..., str]
 ) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import logging
+import pkgutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from flask.testing import FlaskClient
 from prometheus_client import Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from petstore import create_app, metrics, openapi
+from petstore import create_app, metrics, openapi, views
 from petstore.config import ConfigError
 from petstore.db import get_conn
 from support.checks import assert_error
@@ -93,7 +95,8 @@ def test_requests_count_by_operation_and_status_never_by_path(
         for (sample, labels) in samples
         if sample.startswith("petstore_http_")
     }
-    assert operations <= {*metrics.OPERATIONS.values(), metrics.UNKNOWN}
+    counted = client.application.extensions[metrics.EXTENSION].operations
+    assert operations <= {*counted.values(), metrics.UNKNOWN}
     text = client.get("/metrics").get_data(as_text=True)
     for chosen_by_client in (api_key, "98765", "/v1/no", "such"):
         assert chosen_by_client not in text
@@ -120,19 +123,39 @@ def test_latency_buckets_resolve_1_to_50_ms(client: FlaskClient, api_key: str) -
 
 def test_every_api_operation_has_its_id(app: Flask) -> None:
     """Each /v1 route maps to the operationId the OpenAPI document gives it."""
-    document = openapi.build_document(app.config)
+    document = openapi.build_document(app.config, views.described())
     documented = {
         (method.upper(), "/v1" + path.replace("{petId}", "<pet_id>")): operation["operationId"]
         for path, operations in document["paths"].items()
         for method, operation in operations.items()
     }
     routed = {
-        (method, rule.rule): metrics.OPERATIONS.get(rule.endpoint)
+        (method, rule.rule): app.extensions[metrics.EXTENSION].operation(rule.endpoint)
         for rule in app.url_map.iter_rules()
         for method in rule.methods or ()
         if (method, rule.rule) in documented
     }
     assert routed == documented
+
+
+def test_every_resource_route_is_described_and_counted(app: Flask) -> None:
+    """A resource's view without a description, or a description without a view, fails here."""
+    resources = {resource.bp.name for resource in views.RESOURCES}
+    routed = {
+        rule.endpoint
+        for rule in app.url_map.iter_rules()
+        if rule.endpoint.partition(".")[0] in resources
+    }
+    ids = views.operation_ids(app)
+    assert set(ids) == routed
+    assert len(set(ids.values())) == len(views.described())
+
+
+def test_every_views_module_is_registered(app: Flask) -> None:
+    """A blueprint that create_app forgets serves nothing: each views module's is registered."""
+    names = [info.name for info in pkgutil.iter_modules(views.__path__)]
+    blueprints = {importlib.import_module(f"petstore.views.{name}").bp.name for name in names}
+    assert blueprints <= set(app.blueprints)
 
 
 def test_429s_by_code_bans_and_replays(
@@ -233,7 +256,7 @@ def test_observe_request_is_a_plain_function(app: Flask, api_key: str) -> None:
 
 def test_a_flushed_tally_reads_as_the_same_observations() -> None:
     """The tally's bucket arithmetic agrees with Histogram.observe(), bounds included."""
-    tallied = metrics.build()
+    tallied = metrics.build({"pets.list_pets": "listPets"})
     reference = Histogram(
         "petstore_http_request_duration_seconds",
         "reference",

@@ -31,7 +31,7 @@ OPERATIONS = {
     ("/store/orders", "get"): "listOrders",
     ("/rate_limit", "get"): "getRateLimit",
 }
-# Every status each operation really answers (see petstore.errors, limits, auth and the views).
+# Every status each operation really answers (see petstore.errors, petstore.ratelimit, auth and the views).
 STATUSES = {
     "listPets": {"200", "400", "401", "429", "500", "503"},
     "createPet": {"201", "400", "401", "403", "409", "413", "415", "429", "500", "503"},
@@ -306,7 +306,7 @@ def test_built_once_per_app(app: Flask, monkeypatch: pytest.MonkeyPatch) -> None
     client = app.test_client()
     first = client.get("/v1/openapi.json").get_data()
 
-    def refuse(config: Any) -> dict[str, Any]:
+    def refuse(config: Any, descriptions: Any) -> dict[str, Any]:
         raise AssertionError("the document is built again")
 
     monkeypatch.setattr(openapi, "build_document", refuse)

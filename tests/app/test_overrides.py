@@ -1,4 +1,5 @@
-"""The library internals petstore/overrides.py relies on: each override does its job, or fails here loudly."""
+"""The library internals petstore/overrides.py (gunicorn) and petstore/ratelimit/limiter.py
+(flask-limiter) rely on: each override does its job, or fails here loudly."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ from gunicorn.workers.sync import SyncWorker
 from limits.strategies import FixedWindowRateLimiter, RateLimiter
 
 from petstore import overrides
-from petstore.overrides import PlanLimiter
+from petstore.ratelimit import limiter as limiter_module
+from petstore.ratelimit.limiter import PlanLimiter
 
 
 def test_flask_limiter_is_the_version_the_overrides_were_checked_against() -> None:
     # A new version: re-read flask_limiter/_extension.py (init_app, _check_request_limit,
-    # the `limiter` property) against petstore/overrides.py, then update this number.
+    # the `limiter` property) against petstore/ratelimit/limiter.py, then update this number.
     assert flask_limiter.__version__ == "4.1.1"
 
 
@@ -104,7 +106,7 @@ def test_one_storage_error_sends_every_count_to_memory_asking_again_once_a_secon
     item = parse("5/minute")
     storage = limiter.storage
     clock = [1000.0]
-    monkeypatch.setattr(overrides.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(limiter_module.time, "monotonic", lambda: clock[0])
     asked: list[str] = []
 
     def down(*args: object, **kwargs: object) -> int:
@@ -121,12 +123,12 @@ def test_one_storage_error_sends_every_count_to_memory_asking_again_once_a_secon
     assert limiter.storage_dead and asked == ["incr"]
 
     for step in range(1, 4):  # every 0.25 s of the next second: another key, never the storage
-        clock[0] = 1000.0 + step * overrides.STORAGE_RECHECK_SECONDS / 4
+        clock[0] = 1000.0 + step * limiter_module.STORAGE_RECHECK_SECONDS / 4
         assert limiter.count((item,), f"key-{step}")[0][0]
     assert asked == ["incr"], "a count in fallback asked the storage before the interval"
 
     for seconds in (1, 2, 3, 4):  # failing checks: one per interval, the same interval each time
-        clock[0] = 1000.0 + seconds * overrides.STORAGE_RECHECK_SECONDS
+        clock[0] = 1000.0 + seconds * limiter_module.STORAGE_RECHECK_SECONDS
         limiter.count((item,), "key-a")
         limiter.count((item,), "key-b")
     assert asked == ["incr"] + ["check"] * 4

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import pkgutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +22,7 @@ import pytest
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 
-from petstore import db
+from petstore import db, queries
 from petstore.queries import bans as ban_sql
 from petstore.queries import idempotency as idempotency_sql
 from petstore.queries import keys as key_sql
@@ -113,7 +114,17 @@ def test_key_queries_commit_nothing(tx: db.Connection, conn: db.Connection) -> N
 
 def test_ban_queries_commit_nothing(tx: db.Connection, conn: db.Connection) -> None:
     key = new_key(tx)
-    ban = still_open(tx, ban_sql.insert_ban, tx, key_id=key["id"], base_seconds=60, strikes=10)
+    ban = still_open(
+        tx,
+        ban_sql.insert_ban,
+        tx,
+        key_id=key["id"],
+        base_seconds=60,
+        strikes=10,
+        escalation=2,
+        max_seconds=86_400,
+        repeat_seconds=86_400,
+    )
     assert ban is not None and ban["seconds"] == 60
     assert [row["id"] for row in still_open(tx, ban_sql.list_bans, tx)] == [ban["id"]]
     assert still_open(tx, ban_sql.lift_bans, tx, key["id"]) == 1
@@ -163,6 +174,13 @@ def public_functions(module: ModuleType) -> list[str]:
         for name, value in inspect.getmembers(module, inspect.isfunction)
         if value.__module__ == module.__name__ and not name.startswith("_")
     ]
+
+
+def test_every_query_module_is_in_the_table() -> None:
+    """A new module of petstore/queries needs its alias in MODULES, so that its functions are
+    checked below."""
+    shipped = {info.name for info in pkgutil.iter_modules(queries.__path__)}
+    assert shipped == {module.__name__.rpartition(".")[2] for module in MODULES.values()}
 
 
 def test_every_query_function_is_called_here() -> None:

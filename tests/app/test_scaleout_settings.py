@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from limits.storage import storage_from_string
 
-from petstore import budgets, config, db, storages
+from petstore import config, db
+from petstore.ratelimit import storages
 
 
 def test_sentinel_and_cluster_uris_map_to_the_counting_storages() -> None:
@@ -26,8 +27,8 @@ def test_redis_timeouts_bound_sentinel_and_cluster_too() -> None:
     settings = config.from_environ({"PETSTORE_REDIS_TIMEOUT": "0.5"})
     timeouts = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
     for uri in ("redis://h:1/0", "redis+cluster://h:1"):
-        assert budgets.storage_options({**settings, "RATELIMIT_STORAGE_URI": uri}) == timeouts
-    sentinel = budgets.storage_options(
+        assert storages.storage_options({**settings, "RATELIMIT_STORAGE_URI": uri}) == timeouts
+    sentinel = storages.storage_options(
         {**settings, "RATELIMIT_STORAGE_URI": "redis+sentinel://h:1/petstore"}
     )
     assert sentinel == {**timeouts, "sentinel_kwargs": timeouts, "use_replicas": False}

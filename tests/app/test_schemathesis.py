@@ -12,7 +12,7 @@ from flask import Flask
 from hypothesis import HealthCheck, settings
 from schemathesis.config import SchemathesisConfig
 
-from petstore import config, openapi
+from petstore import config, openapi, views
 
 # Budgets so large that the limiter never answers 429 during a run: the per-key one of the
 # enterprise key, and the per-IP one that requests without a key (and ignored_auth's probes) spend.
@@ -48,7 +48,7 @@ def fuzz_config(max_examples: int) -> SchemathesisConfig:
 
 # The document as `petstore openapi` prints it; every app under test must serve exactly this.
 # Each schema gets a copy of its own: schemathesis may rewrite the dict it is given.
-DOCUMENT = openapi.to_json(openapi.build_document(config.from_environ()))
+DOCUMENT = openapi.to_json(openapi.build_document(config.from_environ(), views.described()))
 with_key = schemathesis.openapi.from_dict(json.loads(DOCUMENT), config=fuzz_config(100))
 without_key = schemathesis.openapi.from_dict(json.loads(DOCUMENT), config=fuzz_config(20))
 

@@ -1,4 +1,4 @@
-"""The limiter storages of petstore.storages: counts, expiries, the memory sweep, and the URIs."""
+"""The limiter storages of petstore.ratelimit.storages: counts, expiries, the memory sweep, and the URIs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import redis
 
-from petstore import storages
+from petstore.ratelimit import storages
 
 
 def test_uris_map_to_our_storages() -> None:

@@ -1,4 +1,4 @@
-"""RATELIMIT_TUNED_STORAGES: petstore.storages by default, the `limits` library's own when off."""
+"""RATELIMIT_TUNED_STORAGES: petstore.ratelimit.storages by default, the `limits` library's own when off."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 from flask import Flask
 from limits.storage import MemoryStorage
 
-from petstore import storages
+from petstore.ratelimit import storages
 
 
 def test_untuned_uris_are_the_configured_ones() -> None:

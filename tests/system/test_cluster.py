@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import redis.cluster
 
-from petstore import auth, config, db, storages
+from petstore import auth, config, db
+from petstore.ratelimit import storages
 from support.checks import call
 from support.databases import empty_database
 from support.programs import program

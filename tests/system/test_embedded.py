@@ -6,8 +6,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,18 +122,14 @@ def test_without_a_cluster_url_fails_and_stop_does_nothing(tmp_path: Path) -> No
     embedded.stop(tmp_path)  # exists, but is no cluster
 
 
-def test_command_line(datadir: Path) -> None:
-    def cli(action: str) -> str:
-        command = [sys.executable, "-m", "petstore.embedded", action, str(datadir)]
-        done = subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
-        return done.stdout
-
-    url = cli("start")
-    assert url == embedded.url(datadir) + "\n"
+def test_start_url_and_stop(datadir: Path) -> None:
+    """What make run and the tests call: start (the URL), the URL again, stop."""
+    url = embedded.ensure_running(datadir)
     assert answers(port_of(url))
-    assert cli("url") == url
-    assert cli("stop") == ""
+    assert embedded.url(datadir) == url
+    embedded.stop(datadir)
     assert not answers(port_of(url))
+    embedded.stop(datadir)  # stopping a stopped server does nothing
 
 
 def _exists(pid: int) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from petstore import auth, cli, config, db
+from petstore import auth, config, db, devserver
 from support import reports
 from support.checks import Answer, call
 from support.nginx import DeployedGunicorn, Nginx
@@ -149,7 +149,7 @@ class Stack:
     def start(self) -> None:
         """Start everything: a migrated database with a key of ample budget, Redis, two instances, nginx."""
         self.cluster.start()
-        cli.ensure_database(self.cluster.url(), APP_DBNAME)
+        devserver.ensure_database(self.cluster.url(), APP_DBNAME)
         self.database_url = self.cluster.url(APP_DBNAME)
         with self.connect() as conn:
             db.upgrade(conn)

@@ -14,7 +14,7 @@ import pytest
 import requests
 from flask import Flask
 
-from petstore import auth, cli, config, create_app, db
+from petstore import auth, config, create_app, db, devserver
 from support.checks import Answer, assert_error, burst, flask_getter, http_getter
 from support.servers import Gunicorn, ThrowawayPostgres
 
@@ -65,7 +65,7 @@ class Outage:
 def throwaway_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThrowawayPostgres]:
     """A PostgreSQL cluster of this module's own with a migrated database; stopped at the end."""
     with ThrowawayPostgres(tmp_path_factory.mktemp("outage") / "pgdata") as cluster:
-        cli.ensure_database(cluster.url(), APP_DBNAME)
+        devserver.ensure_database(cluster.url(), APP_DBNAME)
         with db.connect(config.from_environ({"DATABASE_URL": cluster.url(APP_DBNAME)})) as conn:
             db.upgrade(conn)
         yield cluster

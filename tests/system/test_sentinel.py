@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from petstore import auth, config, db, storages
+from petstore import auth, config, db
+from petstore.ratelimit import storages
 from support.checks import Answer, call
 from support.databases import empty_database
 from support.servers import (

@@ -1,5 +1,5 @@
-"""Budgets: plan-keyed limits per key (or per client address), counted once per request, and
-the X-RateLimit-* header policy."""
+"""Budgets: plan-keyed limits per key (or per client address), counted once per request, the
+X-RateLimit-* header policy, and a key's standing for GET /v1/rate_limit."""
 
 from __future__ import annotations
 
@@ -7,22 +7,18 @@ import functools
 import ipaddress
 import logging
 import math
-import os
-import socket
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from flask import Flask, Response, current_app, g, request
-from flask_limiter.util import get_remote_address
-from limits import RateLimitItem, parse_many
+from flask import Response, current_app, g, request
+from limits import RateLimitItem
 
-from petstore import bans, metrics, storages
-from petstore.config import ConfigError
 from petstore.errors import APIError
-from petstore.overrides import PlanLimiter
-from petstore.plans import Limits, key_limits
+from petstore.ratelimit import bans
+from petstore.ratelimit.limiter import PlanLimiter
+from petstore.ratelimit.plans import Limits, key_limits
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +91,7 @@ def show_unspent() -> None:
     if limiter.enabled:
         who, limits = budget_of(None)
         prefix = current_app.config["RATELIMIT_STRATEGY"]
-        g.rate_limit_headers = standing(limiter, prefix, who, limits)
+        g.rate_limit_headers = headers_standing(limiter, prefix, who, limits)
 
 
 def budget_of(caller: Mapping[str, Any] | None) -> tuple[str, Limits]:
@@ -141,10 +137,10 @@ class AnonymousClients:
             return True
 
 
-def windows(
+def window_stats(
     limiter: PlanLimiter, prefix: str, who: str, limits: Limits
 ) -> list[tuple[RateLimitItem, int, int]]:
-    """(limit, remaining, reset) of each limit as it stands, counting nothing.
+    """(limit, remaining, reset) of each limit as it stands, read from the limiter, counting nothing.
 
     A window nothing was counted in yet ends a whole window from now. Raises what the storage
     raises (the fallback's numbers while it is down, as for counting).
@@ -165,10 +161,11 @@ def nearest(stood: list[tuple[RateLimitItem, int, int]], limits: Limits) -> Show
     return limit, remaining, reset, limits
 
 
-def standing(limiter: PlanLimiter, prefix: str, who: str, limits: Limits) -> Shown | None:
-    """(limit, remaining, reset, limits) of the limit nearest to running out, counting nothing."""
+def headers_standing(limiter: PlanLimiter, prefix: str, who: str, limits: Limits) -> Shown | None:
+    """The standing X-RateLimit-* show, counting nothing: (limit, remaining, reset, limits) of the
+    limit nearest to running out; None when the storage cannot be read (no headers then)."""
     try:
-        return nearest(windows(limiter, prefix, who, limits), limits)
+        return nearest(window_stats(limiter, prefix, who, limits), limits)
     except Exception:
         log.exception("cannot read the rate limit windows")
         return None
@@ -181,9 +178,9 @@ def window_name(limit: RateLimitItem) -> str:
     return name if limit.multiples == 1 else f"{limit.multiples}{name}"
 
 
-def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
-    """A key's own standing (GET /v1/rate_limit), counting nothing: its plan, each limit's
-    window, its ban and its strikes. X-RateLimit-* show the limit nearest to running out.
+def rate_limit_standing(caller: Mapping[str, Any]) -> dict[str, Any]:
+    """A key's own standing, the body of GET /v1/rate_limit, counting nothing: its plan, each
+    limit's window, its ban and its strikes. X-RateLimit-* show the limit nearest to running out.
 
     A storage that cannot be read is a 503: these numbers have no stand-in.
     """
@@ -192,7 +189,7 @@ def standing_of(caller: Mapping[str, Any]) -> dict[str, Any]:
     prefix = config["RATELIMIT_STRATEGY"]
     who, limits = budget_of(caller)
     try:
-        stood = windows(limiter, prefix, who, limits)
+        stood = window_stats(limiter, prefix, who, limits)
         strikes = limiter.limiter.storage.get(bans.strike_key(config, caller["id"]))
     except Exception:
         log.exception("cannot read the rate limit windows")
@@ -243,71 +240,3 @@ def set_headers(response: Response) -> None:
         headers["RateLimit-Policy"] = policy_field(limits)
         seconds = max(0, int(reset - time.time()))
         headers["RateLimit"] = f'"{window_name(limit)}";r={remaining};t={seconds}'
-
-
-def refuse_shared_memory_storage(app: Flask) -> None:
-    """memory:// counts per process: refuse to run in a second worker of the same gunicorn master.
-
-    Each worker binds an abstract unix socket named after its master's pid; a second
-    worker finds the name taken. The kernel frees it when the worker dies, so a
-    replacement worker starts fine.
-    """
-    if not app.config["RATELIMIT_STORAGE_URI"].startswith("memory://"):
-        return
-    if not os.environ.get("SERVER_SOFTWARE", "").startswith("gunicorn"):
-        return
-    guard = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        guard.bind(f"\0petstore-memory-limiter-{os.getppid()}")
-    except OSError:
-        guard.close()
-        # Not SystemExit: gunicorn reboots a worker that exits with status 1, forever, while
-        # the first worker serves; an exception during boot makes the whole server stop.
-        raise ConfigError(
-            "RATELIMIT_STORAGE_URI=memory:// counts in one process only, and this gunicorn runs "
-            "more than one worker: every limit would be multiplied. Use --workers 1 (and "
-            "--threads for concurrency) or a shared storage such as redis://."
-        ) from None
-    app.extensions["petstore.memory_guard"] = guard
-
-
-def init_app(app: Flask) -> None:
-    """Attach the limiter: flask-limiter's storage, strategy and in-memory fallback."""
-    config = app.config
-    refuse_shared_memory_storage(app)
-    limiter = PlanLimiter(
-        # Unused: the pipeline says whose budget a request spends (count).
-        get_remote_address,
-        storage_uri=storages.storage_uri(
-            config["RATELIMIT_STORAGE_URI"], config.get("RATELIMIT_TUNED_STORAGES", True)
-        ),
-        storage_options=storage_options(config),
-        strategy=config["RATELIMIT_STRATEGY"],
-        in_memory_fallback_enabled=True,
-    )
-    limiter.init_app(app)
-    limiter.on_fallback = metrics.ratelimit_storage_failed  # type: ignore[method-assign]
-    app.extensions["petstore.limiter"] = limiter
-    ip_limits = tuple(sorted(parse_many(config["IP_LIMITS"])))
-    app.extensions["petstore.ip_limits"] = ip_limits
-    app.extensions["petstore.anonymous_clients"] = (
-        AnonymousClients(
-            config["ANONYMOUS_CLIENTS"], max(limit.get_expiry() for limit in ip_limits)
-        )
-        if config["RATELIMIT_STORAGE_URI"].startswith("memory://")
-        else None
-    )
-
-
-def storage_options(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Short socket timeouts for Redis, so a dead or silent Redis cannot hang a request."""
-    uri = config["RATELIMIT_STORAGE_URI"]
-    timeout = config["REDIS_TIMEOUT"]
-    timeouts = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
-    if uri.startswith(("redis://", "rediss://", "redis+cluster://")):
-        return timeouts
-    if uri.startswith("redis+sentinel://"):
-        # The same bounds for asking the sentinels; counts are read on the master only, since
-        # a replica lags behind it.
-        return {**timeouts, "sentinel_kwargs": dict(timeouts), "use_replicas": False}
-    return {}

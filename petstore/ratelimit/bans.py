@@ -10,12 +10,14 @@ from typing import Any
 
 from flask import current_app, g
 from limits import RateLimitItem
+from limits.storage import storage_from_string
 
 from petstore import db, metrics
 from petstore.errors import APIError
-from petstore.overrides import PlanLimiter
-from petstore.plans import key_limits
 from petstore.queries import bans as ban_sql
+from petstore.ratelimit import storages
+from petstore.ratelimit.limiter import PlanLimiter
+from petstore.ratelimit.plans import key_limits
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +57,20 @@ def duration(seconds: int) -> str:
     return f"{seconds} second{'s' if seconds != 1 else ''}"
 
 
+def times(factor: int) -> str:
+    """2 -> "twice": how many times as long a repeat ban lasts, as people say it."""
+    return {1: "as long", 2: "twice as long"}.get(factor, f"{factor} times as long")
+
+
 def warning(config: Mapping[str, Any], strikes: int) -> str:
     """What a 429 adds to its message after its strike: how many more refusals ban the key."""
     left = config["BAN_THRESHOLD"] - strikes
     return (
         f" {left} more refused request{'s' if left != 1 else ''} in this window "
         f"ban{'s' if left == 1 else ''} this key for {duration(config['BAN_SECONDS'])} "
-        "(twice as long as its last ban, up to 24 hours, when that ended less than 24 hours ago)."
+        f"({times(config['BAN_ESCALATION'])} as its last ban, up to "
+        f"{duration(config['BAN_MAX_SECONDS'])}, when that ended less than "
+        f"{duration(config['BAN_REPEAT_SECONDS'])} ago)."
     )
 
 
@@ -82,7 +91,13 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
         conn = db.get_conn()
         with conn.transaction():
             ban = ban_sql.insert_ban(
-                conn, key_id=caller["id"], base_seconds=config["BAN_SECONDS"], strikes=strikes
+                conn,
+                key_id=caller["id"],
+                base_seconds=config["BAN_SECONDS"],
+                strikes=strikes,
+                escalation=config["BAN_ESCALATION"],
+                max_seconds=config["BAN_MAX_SECONDS"],
+                repeat_seconds=config["BAN_REPEAT_SECONDS"],
             )
         # A new ban starts a new count: after it ends, the key gets a full threshold again.
         storage.clear(strikes_at)
@@ -97,3 +112,12 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
         f" This key is now banned for {duration(ban['seconds'])} for calling on after 429 "
         "responses."
     )
+
+
+def clear_strikes(settings: dict[str, Any], key_id: int) -> None:
+    """Forget the key's strikes in the limiter storage of `settings` (the service's own)."""
+    storage = storage_from_string(
+        storages.storage_uri(settings["RATELIMIT_STORAGE_URI"]),
+        **storages.storage_options(settings),
+    )
+    storage.clear(strike_key(settings, key_id))

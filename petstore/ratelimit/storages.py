@@ -1,6 +1,6 @@
 """Limiter storages tuned for this service's request path, chosen by `storage_uri()`.
 
-The pipeline counts a request in each of its limits' windows (petstore.overrides.count_windows)
+The pipeline counts a request in each of its limits' windows (petstore.ratelimit.limiter.count_windows)
 and shows the limit nearest to running out in X-RateLimit-*, so it needs each window's count
 and end. Two changes to the `limits` storages, found by profiling the request path:
 
@@ -18,7 +18,7 @@ and end. Two changes to the `limits` storages, found by profiling the request pa
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from limits.storage import (
@@ -49,7 +49,7 @@ return counted
 """
 
 # A window to count in: (storage key, seconds it lasts once started, requests it allows).
-Window = tuple[str, int, int]
+StorageWindow = tuple[str, int, int]
 
 SCHEME_PREFIX = "petstore+"
 SWEEP_SECONDS = 60.0
@@ -65,6 +65,20 @@ def storage_uri(configured: str, tuned: bool = True) -> str:
     return configured
 
 
+def storage_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Short socket timeouts for Redis, so a dead or silent Redis cannot hang a request."""
+    uri = config["RATELIMIT_STORAGE_URI"]
+    timeout = config["REDIS_TIMEOUT"]
+    timeouts = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    if uri.startswith(("redis://", "rediss://", "redis+cluster://")):
+        return timeouts
+    if uri.startswith("redis+sentinel://"):
+        # The same bounds for asking the sentinels; counts are read on the master only, since
+        # a replica lags behind it.
+        return {**timeouts, "sentinel_kwargs": dict(timeouts), "use_replicas": False}
+    return {}
+
+
 class CountingRedisStorage(RedisStorage):
     """redis:// whose increment also returns the window's expiry, in the same round trip."""
 
@@ -77,7 +91,9 @@ class CountingRedisStorage(RedisStorage):
         super().initialize_storage(uri)
         self.lua_incr_windows = self.get_connection().register_script(INCR_WINDOWS)
 
-    def incr_windows(self, windows: Sequence[Window], amount: int = 1) -> list[tuple[int, float]]:
+    def incr_windows(
+        self, windows: Sequence[StorageWindow], amount: int = 1
+    ) -> list[tuple[int, float]]:
         """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
         return self.run_incr_windows(windows, amount)
 
@@ -85,7 +101,9 @@ class CountingRedisStorage(RedisStorage):
         """Add `amount` to the key's window (started with `expiry` s when new): (count, end)."""
         return self.run_incr_windows([(key, expiry, 0)], amount)[0]
 
-    def run_incr_windows(self, windows: Sequence[Window], amount: int) -> list[tuple[int, float]]:
+    def run_incr_windows(
+        self, windows: Sequence[StorageWindow], amount: int
+    ) -> list[tuple[int, float]]:
         """incr_windows in one call of the INCR_WINDOWS script."""
         keys, args = [], [amount]
         for key, expiry, limit in windows:
@@ -126,7 +144,9 @@ class SweepingMemoryStorage(MemoryStorage):
     def incr(self, key: str, expiry: float, amount: int = 1) -> int:
         return self.incr_with_expiry(key, expiry, amount)[0]
 
-    def incr_windows(self, windows: Sequence[Window], amount: int = 1) -> list[tuple[int, float]]:
+    def incr_windows(
+        self, windows: Sequence[StorageWindow], amount: int = 1
+    ) -> list[tuple[int, float]]:
         """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
         return incr_each(self.incr_with_expiry, windows, amount)
 
@@ -157,13 +177,15 @@ class CountingClusterStorage(CountingRedisStorage, RedisClusterStorage):
 
     STORAGE_SCHEME = ["petstore+redis+cluster"]
 
-    def incr_windows(self, windows: Sequence[Window], amount: int = 1) -> list[tuple[int, float]]:
+    def incr_windows(
+        self, windows: Sequence[StorageWindow], amount: int = 1
+    ) -> list[tuple[int, float]]:
         """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
         return incr_each(self.incr_with_expiry, windows, amount)
 
 
 def incr_each(
-    incr_with_expiry: Any, windows: Sequence[Window], amount: int
+    incr_with_expiry: Any, windows: Sequence[StorageWindow], amount: int
 ) -> list[tuple[int, float]]:
     """incr_windows one window at a time, with a storage's own `incr_with_expiry`."""
     counted = []
