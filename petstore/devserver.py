@@ -29,6 +29,9 @@ GUNICORN_CONFIG = Path("deploy/gunicorn.conf.py")
 # embedded database for the other commands run from the checkout.
 RUN_LOCK = "make-run.lock"
 RECORDED_URL = "database-url"
+# Under var/, readable by its owner only: make run's development key, kept across restarts so
+# that the terminal it was pasted in keeps working (petstore.cli.development_key).
+DEV_KEY_FILE = "development-key"
 
 
 def var_dir() -> Path:

@@ -311,12 +311,17 @@ def _initdb(datadir: Path, account: pwd.struct_passwd | None) -> None:
         "--locale-provider=builtin",
         "--builtin-locale=C.UTF-8",
         "--no-instructions",
+        # 1 MB WAL segments, at least 2 of them kept: a development cluster keeps a few MB of WAL
+        # on disk instead of 16 MB segments up to 80 MB.
+        "--wal-segsize=1",
         # Written into postgresql.conf. TCP on loopback only; no unix socket, so no socket
         # directory to pick and no limit on the length of its path.
         "-c",
         f"listen_addresses={HOST}",
         "-c",
         "unix_socket_directories=",
+        "-c",
+        "min_wal_size=2MB",
     ]
     code, output = _run(args, account, _INITDB_TIMEOUT)
     if code != 0:

@@ -32,8 +32,8 @@ DESCRIPTION = """\
 The Animal Store: list, add and fetch the animals ("pets") of a store's catalogue.
 
 **Authentication.** Every operation needs an API key sent as a bearer token:
-`Authorization: Bearer <key>`. A missing, malformed, unknown, revoked or expired key gets
-401. A key may be read-only: creating with it gets 403 `insufficient_scope`.
+`Authorization: Bearer <key>`. A missing, malformed, unknown, revoked or expired key
+gets 401. A key may be read-only: creating with it gets 403 `insufficient_scope`.
 
 **Rate limits.** Each key spends one budget across the whole API, per minute and per day:
 {plans}, enterprise as agreed. Requests without a valid key are counted per client IP. Every

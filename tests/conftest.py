@@ -15,6 +15,7 @@ from flask.testing import FlaskClient
 from psycopg import conninfo, sql
 
 from petstore import auth, config, create_app, db
+from tests.support import reports
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_DBNAME = "petstore_test"
@@ -56,6 +57,12 @@ def database_url() -> Iterator[str]:
     if datadir is not None:
         from petstore import embedded
 
+        # The next run reuses the embedded cluster, not this database (it is made anew): drop it.
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(
+                sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(dbname))
+            )
+            admin.execute("checkpoint")
         embedded.stop(datadir)
 
 
@@ -154,6 +161,14 @@ def count_pets(conn: db.Connection) -> int:
     assert row is not None
     n: int = row["n"]
     return n
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The reports tests added (support.reports), after the progress dots and before the counts."""
+    for title, lines in reports.REPORTS:
+        terminalreporter.write_sep("=", title)
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(hookwrapper=True)

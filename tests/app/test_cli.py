@@ -17,7 +17,8 @@ from click.testing import CliRunner, Result
 from flask.testing import FlaskClient
 
 from petstore import db
-from petstore.cli import main
+from petstore.cli import development_key, main
+from petstore.queries import keys
 from tests.support.databases import empty_database
 
 KEY = re.compile(r"ps_[A-Za-z0-9_-]{43}")
@@ -441,3 +442,39 @@ def test_an_upgrade_waits_for_a_slow_one_beyond_the_statement_timeout(
 
     assert process.returncode == 0, out + err
     assert out.startswith("applied: ")
+
+
+# make run's development key
+
+
+def test_make_run_keeps_its_development_key_across_restarts(
+    conn: db.Connection, client: FlaskClient, tmp_path: Path
+) -> None:
+    """The key pasted in another terminal keeps working after a restart; it sits in a 0600 file."""
+    path = tmp_path / "development-key"
+    first, first_id, kept = development_key(conn, path)
+    assert not kept
+    assert path.read_text(encoding="utf-8") == first + "\n"
+    assert path.stat().st_mode & 0o777 == 0o600
+
+    again, again_id, kept = development_key(conn, path)
+
+    assert (again, again_id, kept) == (first, first_id, True)
+    response = client.get("/v1/pets", headers={"Authorization": f"Bearer {first}"})
+    assert response.status_code == 200
+
+
+def test_a_revoked_development_key_is_replaced(
+    conn: db.Connection, client: FlaskClient, tmp_path: Path
+) -> None:
+    """A kept key that no longer works is replaced, and the file holds the new one (still 0600)."""
+    path = tmp_path / "development-key"
+    old, old_id, _ = development_key(conn, path)
+    assert keys.revoke_key(conn, old_id)
+
+    new, new_id, kept = development_key(conn, path)
+
+    assert not kept and new != old and new_id != old_id
+    assert path.read_text(encoding="utf-8") == new + "\n"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert client.get("/v1/pets", headers={"Authorization": f"Bearer {new}"}).status_code == 200

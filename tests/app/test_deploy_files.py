@@ -10,16 +10,17 @@ from typing import Any
 
 import gunicorn.util
 import pytest
+from flask import Flask
 
 from petstore import errors, overrides
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SITE = (DEPLOY / "nginx" / "petstore.conf").read_text(encoding="utf-8")
 ERROR_PAGE = re.compile(r"^\s*error_page\s+([\d ]+?)\s+(?:=(\d+)\s+)?(/_nginx/\w+);", re.M)
-PAGE = re.compile(r"location = (/_nginx/\w+) \{[^}]*?return (\d+) '([^']*)\\n';", re.S)
-# Every status nginx itself can answer with in front of the app (README.rst, "Deploying behind
-# nginx"): request-line and header errors, TRACE, body and URI too large, heads too large, TLS
-# errors, an unknown transfer coding, HTTP/2+ on the wire as text, its own failures, no upstream.
+PAGE = re.compile(r"location = (/_nginx/\w+) \{[^}]*?return (\d+) '([^']*)';", re.S)
+# Every status nginx itself can answer with in front of the app (docs/deploying.rst):
+# request-line and header errors, TRACE, body and URI too large, heads too large, TLS errors, an
+# unknown transfer coding, HTTP/2+ on the wire as text, its own failures, no upstream.
 NGINX_STATUSES = {400, 405, 413, 414, 494, 495, 496, 497, 500, 501, 502, 503, 504, 505}
 
 
@@ -35,6 +36,34 @@ def error_pages() -> dict[int, tuple[int | None, str]]:
 def page_bodies() -> dict[str, tuple[int, dict[str, Any]]]:
     """page URI -> (the status its `return` answers, its JSON body)."""
     return {uri: (int(status), json.loads(body)) for uri, status, body in PAGE.findall(SITE)}
+
+
+def test_nginx_writes_its_error_json_as_the_app_and_gunicorn_do(app: Flask) -> None:
+    """Byte for byte one format: json.dumps' separators, no newline after the object."""
+    texts = {uri: body for uri, _status, body in PAGE.findall(SITE)}
+    assert texts
+    assert [body for body in texts.values() if body != json.dumps(json.loads(body))] == []
+    with app.app_context():
+        made = errors.error_response(405, "method_not_allowed", errors.MESSAGES[405])
+    assert texts["/_nginx/405"] == made.get_data(as_text=True)
+    refused = overrides.error_bytes(414).partition(b"\r\n\r\n")[2]
+    assert texts["/_nginx/414"] == refused.decode()
+
+
+def test_deploy_and_ci_files_name_only_files_that_exist() -> None:
+    """A path of this repository named in a comment of deploy/ or .ci/ is a file that is there."""
+    root = DEPLOY.parent
+    named = {
+        path
+        for deployed in [*DEPLOY.rglob("*"), *(root / ".ci").iterdir()]
+        if deployed.is_file()
+        for path in re.findall(
+            r"(?<![\w/.-])((?:tests|docs|petstore|bench|deploy)/[\w./-]*\.\w+)",
+            deployed.read_text(),
+        )
+    }
+    assert named
+    assert sorted(path for path in named if not (root / path).exists()) == []
 
 
 def test_every_status_nginx_makes_has_a_json_page() -> None:

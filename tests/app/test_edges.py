@@ -1,4 +1,4 @@
-"""Edges decided on purpose: empty path segments, OPTIONS, body framing the app refuses (README.rst, "Errors")."""
+"""Edges decided on purpose: empty path segments, OPTIONS, body framing the app refuses (docs/usage.rst)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The JSON log goes to stdout, as README.rst and deploy/gunicorn.conf.py say."""
+"""The JSON log goes to stdout, as docs/deploying.rst and deploy/gunicorn.conf.py say."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import calendar
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -90,6 +91,24 @@ def test_served_without_a_key_and_rate_limited_per_ip(client: FlaskClient) -> No
         int(again.headers["X-RateLimit-Remaining"])
         == int(response.headers["X-RateLimit-Remaining"]) - 1
     )
+
+
+def descriptions(node: Any) -> list[str]:
+    """Every `description` string anywhere in the document."""
+    if isinstance(node, dict):
+        found = [node["description"]] if isinstance(node.get("description"), str) else []
+        return found + [text for value in node.values() for text in descriptions(value)]
+    if isinstance(node, list):
+        return [text for value in node for text in descriptions(value)]
+    return []
+
+
+def test_no_description_line_reads_as_a_numbered_list_item(document: dict[str, Any]) -> None:
+    """Markdown (the /v1/docs page) makes a line starting "401." an item of a numbered list."""
+    texts = descriptions(document)
+    assert len(texts) > 10
+    item = re.compile(r"^\s*\d+[.)](\s|$)", re.M)
+    assert [text for text in texts if item.search(text)] == []
 
 
 def test_validates(document: dict[str, Any], tmp_path: Path) -> None:

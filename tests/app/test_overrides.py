@@ -25,6 +25,7 @@ from gunicorn.workers.sync import SyncWorker
 from limits.strategies import FixedWindowRateLimiter, RateLimiter
 
 from petstore import overrides
+from petstore.ratelimit import limiter as limiter_module
 from petstore.ratelimit.limiter import PlanLimiter
 
 
@@ -90,6 +91,48 @@ def test_a_failing_storage_counts_in_memory_until_it_answers_again() -> None:
     limiter.next_storage_check = 0.0
     assert limiter.count((item,), "k")[0][0]
     assert not limiter.storage_dead, "back on the storage once it answers"
+
+
+def test_one_storage_error_sends_every_count_to_memory_asking_again_once_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What docs/usage.rst says: the first error moves all of the worker's counting (other keys'
+    too) to memory; the storage is asked again at most once per STORAGE_RECHECK_SECONDS, not
+    after growing delays."""
+    limiter = PlanLimiter(lambda: "k", storage_uri="memory://", in_memory_fallback_enabled=True)
+    limiter.init_app(Flask(__name__))
+    from limits import parse
+
+    item = parse("5/minute")
+    storage = limiter.storage
+    clock = [1000.0]
+    monkeypatch.setattr(limiter_module.time, "monotonic", lambda: clock[0])
+    asked: list[str] = []
+
+    def down(*args: object, **kwargs: object) -> int:
+        asked.append("incr")
+        raise ConnectionError("storage down")
+
+    def check() -> bool:
+        asked.append("check")
+        return False
+
+    monkeypatch.setattr(storage, "incr", down)
+    monkeypatch.setattr(storage, "check", check)
+    assert limiter.count((item,), "key-a")[0][0]
+    assert limiter.storage_dead and asked == ["incr"]
+
+    for step in range(1, 4):  # every 0.25 s of the next second: another key, never the storage
+        clock[0] = 1000.0 + step * limiter_module.STORAGE_RECHECK_SECONDS / 4
+        assert limiter.count((item,), f"key-{step}")[0][0]
+    assert asked == ["incr"], "a count in fallback asked the storage before the interval"
+
+    for seconds in (1, 2, 3, 4):  # failing checks: one per interval, the same interval each time
+        clock[0] = 1000.0 + seconds * limiter_module.STORAGE_RECHECK_SECONDS
+        limiter.count((item,), "key-a")
+        limiter.count((item,), "key-b")
+    assert asked == ["incr"] + ["check"] * 4
+    assert limiter.storage_dead
 
 
 @pytest.fixture

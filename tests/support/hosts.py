@@ -13,12 +13,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tests.support.nginx import DeployedGunicorn
+from tests.support.programs import program
 from tests.support.servers import RedisServer, Service
 
 
 def ip(*args: str) -> None:
     """Run `ip args...`; raise with its output when it fails."""
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    done = subprocess.run([program("ip"), *args], capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
@@ -73,12 +74,14 @@ class Hosts(Service):
         for number, _pair in enumerate(self.links):
             for side in "ab":
                 subprocess.run(
-                    ["ip", "link", "del", f"pv{tag}x{number}{side}"],
+                    [program("ip"), "link", "del", f"pv{tag}x{number}{side}"],
                     capture_output=True,
                     timeout=30,
                 )
         while self.made:
-            subprocess.run(["ip", "netns", "del", self.made.pop()], capture_output=True, timeout=30)
+            subprocess.run(
+                [program("ip"), "netns", "del", self.made.pop()], capture_output=True, timeout=30
+            )
 
 
 class HostGunicorn(DeployedGunicorn):

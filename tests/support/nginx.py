@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.programs import program
 from tests.support.servers import (
     LOOPBACK,
     Gunicorn,
@@ -31,7 +32,6 @@ from tests.support.servers import (
 ROOT = Path(__file__).resolve().parents[2]
 SITE_CONF = ROOT / "deploy" / "nginx" / "petstore.conf"
 GUNICORN_CONF = ROOT / "deploy" / "gunicorn.conf.py"
-INSTALL_HINT = "run .ci/install-nginx (Debian's nginx package)"
 
 # What the shipped file says, and what the tests put in its place.
 UPSTREAM_BLOCK = re.compile(r"(upstream petstore \{\n)(.*?)(\n\})", re.S)
@@ -45,10 +45,7 @@ ACCESS_LOG = re.compile(r"^(\s*)access_log\s+/\S+\s+petstore_json;$", re.M)
 
 def nginx_binary() -> str:
     """The nginx program; skips the test when it is missing (conftest fails skips under CI)."""
-    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
-    if found is None:
-        pytest.skip(f"nginx is not installed: {INSTALL_HINT}")
-    return found
+    return program("nginx")
 
 
 @dataclass(frozen=True)
@@ -231,7 +228,7 @@ class Nginx(ServerProcess):
         main = self.write_config()
         test = self.command(main, "-t")
         if self.netns is not None:  # `nginx -t` binds the listen address too
-            test = ["ip", "netns", "exec", self.netns, *test]
+            test = [program("ip"), "netns", "exec", self.netns, *test]
         check = subprocess.run(test, capture_output=True, text=True, timeout=self.start_timeout)
         if check.returncode != 0:
             raise ServerFailed(f"nginx -t refused the rendered config:\n{check.stderr}")

@@ -4,29 +4,24 @@ from __future__ import annotations
 
 import http.client
 import json
-import shutil
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
+from tests.support.programs import program
 from tests.support.servers import LOOPBACK, ServerProcess, poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRAPE_CONFIG = ROOT / "deploy" / "prometheus.yml"
 ALERTS = ROOT / "deploy" / "alerts.yml"
-INSTALL_HINT = "run .ci/install-prometheus (Debian's prometheus package, with promtool)"
 
 
 def binary(name: str) -> str:
     """`prometheus` or `promtool`; skips the test when missing (conftest fails skips under CI)."""
-    found = shutil.which(name)
-    if found is None:
-        pytest.skip(f"{name} is not installed: {INSTALL_HINT}")
-    return found
+    return program(name)
 
 
 def render_config(targets: Sequence[str], interval: str) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from typing import Self, TypeVar
 
 import requests
 
+from tests.support.programs import program
+
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
@@ -140,7 +142,7 @@ class ServerProcess(Service):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.netns is not None:
             # `ip netns exec` execs the program: the pid and process group stay the program's.
-            command = ["ip", "netns", "exec", self.netns, *command]
+            command = [program("ip"), "netns", "exec", self.netns, *command]
         with self.log_path.open(self.log_mode) as log:
             # A session of its own, so that the whole process group can be killed at the end.
             self.process = subprocess.Popen(
@@ -370,7 +372,7 @@ class RedisServer(ServerProcess):
     def command(self) -> list[str]:
         """The command line: loopback only, no RDB or AOF files, in the foreground."""
         return [
-            "redis-server",
+            program("redis-server"),
             "--port",
             str(self.port),
             "--bind",
@@ -546,7 +548,7 @@ class PgBouncer(ServerProcess):
     def command(self, ini: Path) -> list[str]:
         """In the foreground, logging to the log file; as postgres when run as root (it refuses root)."""
         user = ["--user", "postgres"] if os.geteuid() == 0 else []
-        return ["pgbouncer", *user, str(ini)]
+        return [program("pgbouncer"), *user, str(ini)]
 
     def start(self) -> None:
         """Start pgbouncer and wait (bounded) until it accepts connections; raise with its log otherwise."""
@@ -572,7 +574,7 @@ def redis_command(port: int, *command: str, timeout: float = 2.0) -> str:
     """`redis-cli -p port command...` against a loopback server; its output (empty on failure)."""
     try:
         done = subprocess.run(
-            ["redis-cli", "-h", LOOPBACK, "-p", str(port), *command],
+            [program("redis-cli"), "-h", LOOPBACK, "-p", str(port), *command],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -642,7 +644,7 @@ class RedisSentinel(RedisServer):
             f"sentinel parallel-syncs {self.service} 1\n",
             encoding="utf-8",
         )
-        return ["redis-sentinel", str(conf)]
+        return [program("redis-sentinel"), str(conf)]
 
     def start(self) -> None:
         """Start it and wait (bounded) until it answers PING."""

@@ -16,6 +16,7 @@ from petstore import auth, config, db
 from petstore.ratelimit import storages
 from tests.support.checks import call
 from tests.support.databases import empty_database
+from tests.support.programs import program
 from tests.support.servers import (
     Gunicorn,
     RedisClusterNode,
@@ -49,7 +50,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisClus
             node.start()
         created = subprocess.run(
             [
-                "redis-cli",
+                program("redis-cli"),
                 "--cluster",
                 "create",
                 *(f"127.0.0.1:{node.port}" for node in nodes),

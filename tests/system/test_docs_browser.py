@@ -15,10 +15,9 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
+from tests.support.programs import program
 from tests.support.servers import Gunicorn
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 OPERATION_IDS = ("listPets", "createPet", "getPet", "listOrders")
 RENDER_TIMEOUT = 30.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -27,16 +26,10 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
     """Headless chromium with a fresh profile and no network of its own; quit after the test."""
-    # Debian ships them in two packages, so either may be missing alone: name the one that is.
-    missing = [
-        f"{path} (Debian package {package})"
-        for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver"))
-        if not path.exists()
-    ]
-    if missing:
-        pytest.skip(f"missing {' and '.join(missing)}: run .ci/install-browser")
+    # Debian ships them in two packages, so either may be missing alone: each is named.
+    chromium, chromedriver = program("chromium"), program("chromedriver")
     options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
+    options.binary_location = chromium
     for flag in (
         "--headless",
         "--no-sandbox",
@@ -52,9 +45,7 @@ def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
     ):
         options.add_argument(flag)
     # The driver is given, so selenium never looks for (or downloads) one.
-    service = Service(
-        executable_path=str(CHROMEDRIVER), log_output=str(tmp_path / "chromedriver.log")
-    )
+    service = Service(executable_path=chromedriver, log_output=str(tmp_path / "chromedriver.log"))
     driver = webdriver.Chrome(options=options, service=service)
     driver.set_page_load_timeout(RENDER_TIMEOUT)
     try:

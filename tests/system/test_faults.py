@@ -2,7 +2,8 @@
 
 Each fault runs for a few seconds under a mixed load (creates with an Idempotency-Key, retried on 503
 like a good client; lists; gets). Counted per fault: every answer, its latency, and the rows the
-creates left. Then a sustained mixed load with no fault and no 5xx. `pytest -rP` shows the tables.
+creates left. Then a sustained mixed load with no fault and no 5xx. The table of every run comes
+in pytest's summary at the end; `pytest -rP` shows each test's own row too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 from petstore import auth, config, db, devserver
+from tests.support import reports
 from tests.support.checks import Answer, call
 from tests.support.nginx import DeployedGunicorn, Nginx
 from tests.support.servers import (
@@ -486,20 +488,20 @@ def check_load(stack: Stack, load: Load, *, kills: bool = False) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[Stack]:
-    """The module's stack; the outcome table of every fault at the end, on the terminal."""
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The module's stack; the outcome table of every fault in the run's summary at the end."""
     running = Stack(tmp_path_factory.mktemp("faults"))
     try:
         running.start()
         yield running
     finally:
         running.stop()
-        capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
-        if RESULTS and capture is not None:
-            # Past pytest's capture, so that CI's log shows the outcomes of every run.
-            with capture.global_and_fixture_disabled():
-                print("\n\nFaults under load, through nginx and two gunicorn instances:")
-                print_table(RESULTS)
+        if RESULTS:
+            # In pytest's summary at the end of the run (and so in CI's log), not among the dots.
+            reports.add(
+                "Faults under load, through nginx and two gunicorn instances",
+                [Result.HEADER, *(result.row() for result in RESULTS)],
+            )
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ stopping one host's gunicorn under load loses no write.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -25,6 +24,7 @@ from tests.support.databases import empty_database
 from tests.support.hosts import HostGunicorn, Hosts, SharedRedis
 from tests.support.load import MixedLoad
 from tests.support.nginx import Nginx
+from tests.support.programs import program
 from tests.support.servers import PgBouncer, poll_until
 
 APPS = ("app1", "app2")
@@ -61,8 +61,9 @@ class Site:
 @pytest.fixture(scope="module")
 def site(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     """Namespaces nginx, app1 and app2; PgBouncer and Redis on the machine's end of each app's link."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 (`ip netns`): run .ci/install-iproute2 as root")
+    if os.geteuid() != 0:
+        pytest.skip("needs root (`ip netns`): run it as root, after `bash .ci/install-iproute2`")
+    program("ip")
     workdir = tmp_path_factory.mktemp("hosts")
     hosts = Hosts(["nginx", *APPS], LINKS)
     with empty_database(database_url, "_hosts") as direct_url, hosts:

@@ -1,4 +1,4 @@
-"""deploy/install.sh, the README's single-host deployment, run for real on loopback (as root).
+"""deploy/install.sh, the single-host deployment of docs/deploying.rst, run for real on loopback (as root).
 
 It runs with a throwaway role and database on the test's PostgreSQL server, a throwaway system
 user, its environment file and gunicorn's pid file and log in a temporary directory, this
@@ -148,7 +148,7 @@ def test_install_script_serves_a_key_on_a_fresh_role_and_database(
         first_pid = int((state / "gunicorn.pid").read_text())
         first_env = (workdir / "petstore.env").read_text()
         first_users = [process_user(pid) for pid in (first_pid, *workers_of(first_pid))]
-        # Run again with another setting (as the README suggests for Redis): the service
+        # Run again with another setting (as docs/deploying.rst suggests for Redis): the service
         # restarts with it. (Not Redis itself here: this virtualenv may be built on a Python
         # that only root can run in full, such as root's pyenv.)
         again = run_script({**environ, "PETSTORE_PROXY_COUNT": "2"}, workdir)
@@ -231,18 +231,18 @@ def test_install_script_refuses_code_the_service_user_could_change(
     assert not (workdir / "petstore.env").exists()
 
 
-# README.rst, "Deploying behind nginx", step 4: start nginx, or reload the one that runs.
+# docs/deploying.rst, the single host, step 4: start nginx, or reload the one that runs.
 NGINX_START_OR_RELOAD = "nginx -t && { nginx -s reload 2>/dev/null || nginx; }"
 
 
-def test_the_readme_starts_nginx_when_it_is_not_running_and_reloads_it_when_it_is(
+def test_the_deployment_guide_starts_nginx_when_it_is_not_running_and_reloads_it_when_it_is(
     workdir: Path,
 ) -> None:
     """No systemd: `nginx -s reload` alone fails without a running nginx (`invalid PID number`)."""
-    assert f"       {NGINX_START_OR_RELOAD}\n" in (ROOT / "README.rst").read_text()
+    assert f"       {NGINX_START_OR_RELOAD}\n" in (ROOT / "docs" / "deploying.rst").read_text()
     proxy = Nginx([f"{LOOPBACK}:{free_port()}"], workdir / "nginx", workers=1)
     main = proxy.write_config()
-    # `nginx` as the README runs it, on the test's own config, prefix and ports.
+    # `nginx` as the guide runs it, on the test's own config, prefix and ports.
     wrapper = workdir / "bin" / "nginx"
     wrapper.parent.mkdir()
     wrapper.write_text(

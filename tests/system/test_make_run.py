@@ -158,3 +158,29 @@ def test_make_run_leaves_running_a_database_it_did_not_start(tmp_path: Path) -> 
             assert conn.execute("select 1").fetchone() == (1,)
     finally:
         embedded.stop(datadir)
+
+
+def shown(text: str) -> str:
+    """`make run`'s lines with what differs between runs and machines replaced by names."""
+    text = re.sub(r"ps_[A-Za-z0-9_-]{43}", "KEY", text)
+    text = re.sub(r"127\.0\.0\.1:\d+", "ADDRESS", text)
+    text = re.sub(r"/\S*?/var/", "VAR/", text)
+    return re.sub(r"cd /\S+ &&", "cd CHECKOUT &&", text)
+
+
+def test_the_readme_shows_what_make_run_prints(first: MakeRun) -> None:
+    """README.rst's `make run` lines are the ones it prints, up to the API docs line."""
+    readme = (ROOT / "README.rst").read_text(encoding="utf-8")
+    block = readme[readme.index("    $ make run\n") :].split("\n\n", 1)[0].splitlines()
+    # `make` echoes its command line; petstore serve is run here without make.
+    documented = [line.removeprefix("    ") for line in block[1:] if "exec " not in line]
+    # As root, the embedded PostgreSQL says first which system user and directories it set up.
+    printed = [
+        line
+        for line in first.log_path.read_text(encoding="utf-8").splitlines()
+        if not line.startswith("created system user") and "o+x" not in line
+    ]
+    assert documented[-1].startswith("API docs: ")
+    assert [shown(line) for line in printed[: len(documented)]] == [
+        shown(line) for line in documented
+    ]

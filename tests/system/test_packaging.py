@@ -112,7 +112,7 @@ def test_petstore_command_is_installed(venv: Path, outside: Path) -> None:
 
 def test_migrations_ship_inside_the_installed_package(venv: Path, outside: Path) -> None:
     in_checkout = sorted(
-        path.name for path in (ROOT / "sql").iterdir() if MIGRATION.match(path.name)
+        path.name for path in (ROOT / "petstore" / "sql").iterdir() if MIGRATION.match(path.name)
     )
 
     result = run(
@@ -179,3 +179,38 @@ def test_installed_wsgi_app_serves_the_api(
     assert Path(module_file).is_relative_to(venv)
     assert statuses == "201 200"
     assert json.loads(listing) == [{"id": 1, "name": "Rex", "categoryId": 1}]
+
+
+def test_the_editable_install_of_make_prints_no_setuptools_warning(
+    tmp_path: Path, outside: Path
+) -> None:
+    """What `make run` does first (a current pip, then `pip install -e .`) prints no warning box.
+
+    setuptools warns ("BuildBackendWarning: Editable installation ... Please be careful with
+    folders in your working directory") when it must install a meta path finder, which it does
+    unless every package sits in the folder of its name under one import root (setup.cfg's
+    `package_dir = = .`, the migrations in petstore/sql/).
+    """
+    source = tmp_path / "source"
+    for name in checkout_files():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, cwd=outside)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run(
+        [*pip, "install", "--quiet", "--upgrade", "pip"], check=True, env=clean_environ()
+    )
+
+    done = subprocess.run(
+        [*pip, "install", "--quiet", "--no-deps", "-e", str(source)],
+        cwd=outside,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+    )
+
+    assert done.returncode == 0, done.stderr
+    output = done.stdout + done.stderr
+    assert "BuildBackendWarning" not in output
+    assert "Please be careful" not in output

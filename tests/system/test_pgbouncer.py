@@ -72,7 +72,7 @@ def upgrade(environ: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def pooled(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pooled]:
-    """A scratch database behind a PgBouncer of the test's own, migrated with the README's commands."""
+    """A scratch database behind a PgBouncer of the test's own, migrated as docs/deploying.rst says."""
     redis_url = os.environ.get("PETSTORE_TEST_REDIS_URL", TEST_REDIS_URL)
     # Key ids start at 1 in the scratch database: counters of other tests' keys must not count.
     redis.Redis.from_url(redis_url, socket_timeout=2).flushdb()

@@ -20,7 +20,7 @@ from tests.support.nginx import Deployment, Nginx, deploy
 from tests.support.servers import LOOPBACK, SilentServer
 
 ENVIRON = {"PETSTORE_PROXY_COUNT": "1", "RATELIMIT_STORAGE_URI": "memory://"}
-# The limits both layers share (README.rst, "Deploying behind nginx").
+# The limits both layers share (docs/deploying.rst).
 MAX_REQUEST_LINE = 8190
 MAX_HEADER_FIELDS = 100
 # nginx over plain HTTP and over HTTPS (HTTP/1.1 in TLS; HTTP/2 is tests/system/test_tls.py's).

@@ -1,0 +1,1 @@
+"""The numbered SQL migrations, the package petstore.sql."""

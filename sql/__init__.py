@@ -1,1 +1,0 @@
-"""The numbered SQL migrations, installed as the package petstore.sql."""

@@ -1,0 +1,50 @@
+"""The programs the system tests drive: found where Debian installs them, else the test skips.
+
+Debian puts some of them (nginx, pgbouncer, ip) in /usr/sbin or /sbin, which a normal user's PATH
+lacks, so those directories are searched too. A missing program skips its test with one line
+naming it and the script that installs it (tests/conftest.py fails every skip under CI, where
+`make test` runs as root and has run every .ci/install-* script first).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+# Where Debian installs programs beside the PATH of a normal user.
+SYSTEM_DIRS = ("/usr/local/sbin", "/usr/sbin", "/sbin", "/usr/local/bin", "/usr/bin", "/bin")
+# program -> the script of .ci/ that installs it (with Debian's package manager).
+INSTALLERS = {
+    "nginx": ".ci/install-nginx",
+    "pgbouncer": ".ci/install-pgbouncer",
+    "redis-server": ".ci/install-redis-sentinel",
+    "redis-sentinel": ".ci/install-redis-sentinel",
+    "redis-cli": ".ci/install-redis-sentinel",
+    "prometheus": ".ci/install-prometheus",
+    "promtool": ".ci/install-prometheus",
+    "chromium": ".ci/install-browser",
+    "chromedriver": ".ci/install-browser",
+    "ip": ".ci/install-iproute2",
+}
+
+
+def find(name: str) -> str | None:
+    """The path of program `name`: on PATH, else in Debian's system directories; None if absent."""
+    return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SYSTEM_DIRS))
+
+
+def missing_line(name: str) -> str:
+    """The one line a test skips with when `name` is missing."""
+    return (
+        f"{name} is not installed: run `bash {INSTALLERS[name]}` (it uses sudo unless you are root)"
+    )
+
+
+def program(name: str) -> str:
+    """The path of program `name`; skips the calling test when it is not installed."""
+    found = find(name)
+    if found is None:
+        pytest.skip(missing_line(name))
+    return found
