@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import ssl
@@ -16,8 +15,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from tests.support.programs import program
 from tests.support.servers import (
@@ -65,9 +62,7 @@ def make_certificate(
     directory: Path, hosts: Sequence[str] = (LOOPBACK, "localhost")
 ) -> Certificate:
     """A throwaway CA and a server certificate it signs (P-256, one day), made with openssl."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is not installed: run .ci/install-nginx")
+    openssl = program("openssl")
     directory.mkdir(parents=True, exist_ok=True)
     ca_key, ca, key, request, cert = (
         directory / name for name in ("ca.key", "ca.pem", "privkey.pem", "server.csr", "cert.pem")

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from tests.support.programs import program
 from tests.support.servers import LOOPBACK, ROOT, ServerProcess, free_port
 
 PATRONI_YML = ROOT / "deploy" / "patroni.yml"
@@ -87,7 +88,7 @@ class Etcd(ServerProcess):
         peer = f"http://{LOOPBACK}:{self.peer_port}"
         client = f"http://{self.endpoint}"
         command = [
-            "etcd",
+            program("etcd"),
             "--name=petstore-test",
             f"--data-dir={self.workdir / 'etcd-data'}",
             f"--listen-client-urls={client}",
@@ -157,7 +158,9 @@ class PatroniNode(ServerProcess):
         self.config_path.chmod(0o644)
         environ = {key: value for key, value in os.environ.items() if not key.startswith("PG")}
         environ["HOME"] = str(self.home)
-        self.launch(as_account(["patroni", str(self.config_path)]), cwd=self.home, env=environ)
+        self.launch(
+            as_account([program("patroni"), str(self.config_path)]), cwd=self.home, env=environ
+        )
 
     def answers(self) -> bool:
         status, _body = get_json(f"http://{LOOPBACK}:{self.rest_port}/patroni")
@@ -209,7 +212,7 @@ class PatroniNode(ServerProcess):
     def patronictl(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """`patronictl -c <this node's file> args...`."""
         return subprocess.run(
-            ["patronictl", "-c", str(self.config_path), *args],
+            [program("patronictl"), "-c", str(self.config_path), *args],
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -27,6 +27,11 @@ INSTALLERS = {
     "chromium": ".ci/install-browser",
     "chromedriver": ".ci/install-browser",
     "ip": ".ci/install-iproute2",
+    "openssl": ".ci/install-nginx",
+    "curl": ".ci/install-nginx",
+    "patroni": ".ci/install-patroni",
+    "patronictl": ".ci/install-patroni",
+    "etcd": ".ci/install-patroni",
 }
 
 

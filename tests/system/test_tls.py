@@ -9,7 +9,6 @@ the Error JSON over HTTP/2 too (HTTP/1.1 in TLS: tests/system/test_refusals.py).
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import ssl
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 from petstore import db
 from tests.support.checks import Answer, assert_error
 from tests.support.nginx import Deployment, deploy
+from tests.support.programs import program
 
 ENVIRON = {"PETSTORE_PROXY_COUNT": "1", "RATELIMIT_STORAGE_URI": "memory://"}
 HSTS = "max-age=63072000"
@@ -59,19 +59,18 @@ class CurlAnswer:
 
 def curl(deployment: Deployment, url: str, *args: str, stdin: bytes = b"") -> CurlAnswer:
     """One request with curl, trusting only the test CA; its HTTP version and answer."""
-    program = shutil.which("curl")
+    curl_path = program("curl")
     if (
-        program is None
-        or "HTTP2"
+        "HTTP2"
         not in subprocess.run(
-            [program, "-V"], capture_output=True, text=True, timeout=10
+            [curl_path, "-V"], capture_output=True, text=True, timeout=10
         ).stdout.split("Features:")[-1]
     ):
         pytest.skip(f"no {CURL_HINT}")
     certificate = deployment.nginx.certificate
     assert certificate is not None
     done = subprocess.run(
-        [program, "-sS", "--cacert", str(certificate.ca), "--max-time", "10", "-D", "-"]
+        [curl_path, "-sS", "--cacert", str(certificate.ca), "--max-time", "10", "-D", "-"]
         + ["-o", "/dev/stdout", "-w", "\n%{http_version}", *args, url],
         input=stdin,
         capture_output=True,
