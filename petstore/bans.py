@@ -11,7 +11,7 @@ from typing import Any
 from flask import current_app, g
 from limits import RateLimitItem
 
-from petstore import db, metrics
+from petstore import auth, db, metrics
 from petstore.errors import APIError
 from petstore.overrides import PlanLimiter
 from petstore.plans import key_limits
@@ -84,6 +84,8 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
             ban = ban_sql.insert_ban(
                 conn, key_id=caller["id"], base_seconds=config["BAN_SECONDS"], strikes=strikes
             )
+        # This worker's next request of the key sees the ban, whoever stored it.
+        auth.forget_key(caller["id"])
         # A new ban starts a new count: after it ends, the key gets a full threshold again.
         storage.clear(strikes_at)
     except Exception:

@@ -168,6 +168,9 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_RATELIMIT_STRATEGY": ("RATELIMIT_STRATEGY", _strategy, "fixed-window"),
     "PETSTORE_IP_LIMITS": ("IP_LIMITS", _limits, "60/minute;1000/day"),
     "PETSTORE_ANONYMOUS_CLIENTS": ("ANONYMOUS_CLIENTS", _int(1), 10_000),
+    # How long a worker uses a key's row before asking the database again (petstore.keycache).
+    "PETSTORE_KEY_CACHE_SECONDS": ("KEY_CACHE_SECONDS", _float(0), 1.0),
+    "PETSTORE_KEY_CACHE_SIZE": ("KEY_CACHE_SIZE", _int(1), 10_000),
     "PETSTORE_BAN_THRESHOLD": ("BAN_THRESHOLD", _int(1), 10),
     "PETSTORE_BAN_SECONDS": ("BAN_SECONDS", _int(1), 900),
     "PETSTORE_REDIS_TIMEOUT": ("REDIS_TIMEOUT", _float(0.01), 0.25),

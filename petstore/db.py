@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import re
+import select
 from collections.abc import Callable, Mapping
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 from flask import Flask, current_app, g
@@ -17,7 +18,6 @@ from psycopg_pool import ConnectionPool
 log = logging.getLogger(__name__)
 
 Connection = psycopg.Connection[DictRow]
-T = TypeVar("T")
 
 # pg_advisory_lock key held while migrating, so that two `petstore db upgrade` wait for each other.
 MIGRATION_LOCK = 0x7065_7473_746F_7265 >> 1  # "petstore", kept inside bigint
@@ -134,29 +134,32 @@ def get_conn() -> Connection:
     Connections are in autocommit mode: each statement is its own transaction,
     which saves the BEGIN and COMMIT round trips. Code that needs several
     statements to be atomic opens `with conn.transaction():` around them.
+
+    A restart of PostgreSQL cuts the pool's idle connections without the pool noticing: the
+    server's farewell waits unread on the socket. An idle connection with anything to read is
+    suspect, then: the pool tests its idle connections and hands out a live one. Polling the
+    socket costs a microsecond, where testing every connection before handing it out would
+    cost a round trip; whatever the request's first statement is (the key's, or its view's
+    when the key's row is cached), it meets no connection cut while it was idle.
     """
     if "conn" not in g:
-        g.conn = get_pool().getconn()
+        pool = get_pool()
+        taken = pool.getconn()
+        if cut_while_idle(taken):
+            pool.putconn(taken)
+            pool.check()
+            taken = pool.getconn()
+        g.conn = taken
     conn: Connection = g.conn
     return conn
 
 
-def first_query(query: Callable[..., T], *args: Any) -> T:
-    """Run the request's first statement, `query(conn, *args)`, on the request's connection.
-
-    A restart of PostgreSQL cuts the pool's idle connections without the pool noticing. If the
-    connection turns out to be cut, nothing was done on it yet, so test the pool's idle
-    connections and run the statement once more on a live one. This costs nothing while the
-    database is up, unlike testing every connection before handing it out.
-    """
-    conn = get_conn()
-    try:
-        return query(conn, *args)
-    except psycopg.OperationalError:
-        if not conn.broken:
-            raise
-        discard_broken_connections()
-        return query(get_conn(), *args)
+def cut_while_idle(conn: Connection) -> bool:
+    """Whether an idle connection has something to read: the server closed it, or said it will."""
+    if conn.closed:
+        return True
+    readable, _writable, _failed = select.select([conn.fileno()], [], [], 0)
+    return bool(readable)
 
 
 def _release_conn(exc: BaseException | None) -> None:
