@@ -199,6 +199,14 @@ def get_key_cache() -> KeyCache:
     return cache
 
 
+def reread_caller() -> dict[str, Any] | None:
+    """The request's caller read again from the database, past the key cache (KeyCache.reread)."""
+    token = bearer_token(request.headers.get("Authorization", ""))
+    if token is None or not KEY_SHAPE.fullmatch(token):
+        return None
+    return get_key_cache().reread(hash_key(token), find_key)
+
+
 def forget_key(key_id: int) -> None:
     """This worker changed the key `key_id` (banned it): its next request reads the database."""
     get_key_cache().forget(key_id)

@@ -12,7 +12,7 @@ from flask import current_app, g
 from limits import RateLimitItem
 
 from petstore import auth, db, metrics
-from petstore.errors import APIError
+from petstore.errors import DATABASE_UNAVAILABLE, APIError
 from petstore.overrides import PlanLimiter
 from petstore.plans import key_limits
 from petstore.queries import bans as ban_sql
@@ -73,6 +73,12 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
     strike cannot be counted or the ban stored (the sentence is empty then).
     """
     config = current_app.config
+    # The key cache's row may predate a ban another worker stored: the database says, before a
+    # strike (a refused request's query, paid by the caller that keeps calling, not by everyone).
+    try:
+        refuse_banned(auth.reread_caller())
+    except DATABASE_UNAVAILABLE:
+        log.warning("cannot read key %s again before its strike", caller["id"])
     storage = limiter.limiter.storage
     strikes_at = strike_key(config, caller["id"])
     try:

@@ -104,6 +104,13 @@ class KeyCache:
             self.store(key_hash, Entry(found, caller, started + self.seconds, now), generation)
         return caller
 
+    def reread(self, key_hash: bytes, find: Find) -> dict[str, Any] | None:
+        """The caller read again with `find`, and held afresh: for a decision that must not rest
+        on a row another worker or instance may have changed since."""
+        with self.lock:
+            self.entries.pop(key_hash, None)
+        return self.caller(key_hash, find)
+
     def store(self, key_hash: bytes, entry: Entry, generation: int) -> None:
         """Hold `entry`, unless forget() ran since its row was fetched; evict the oldest past `size`."""
         with self.lock:

@@ -320,3 +320,22 @@ def test_a_key_not_held_while_the_database_is_down_is_503(stopped: Flask) -> Non
     response = stopped.test_client().get("/v1/pets", headers=bearer(auth.new_key()))
     assert_error(response, 503, "service_unavailable")
     assert stopped.extensions["petstore.key_cache"].entries == {}
+
+
+def test_a_refused_key_is_read_again_so_another_instances_ban_is_refused_at_once(
+    make_app: Callable[..., Flask], conn: db.Connection, redis_url: str
+) -> None:
+    """Instance A holds the key's row from before instance B banned it (an hour-long bound): once
+    the key is over its limit, A reads it again before striking, and answers the ban."""
+    settings = {"KEY_CACHE_SECONDS": 3600, "BAN_THRESHOLD": 1, "RATELIMIT_STORAGE_URI": redis_url}
+    first, second = make_app(**settings).test_client(), make_app(**settings).test_client()
+    key, _row = auth.issue_key(conn, "enterprise", "cache", per_minute=1, per_day=100)
+    assert first.get("/v1/pets", headers=bearer(key)).status_code == 200
+    body = assert_error(second.get("/v1/pets", headers=bearer(key)), 429, "rate_limited")
+    assert "now banned" in body["message"]
+
+    banned = first.get("/v1/pets", headers=bearer(key))
+    assert_error(banned, 429, "api_key_banned")
+    assert code_of(first, key) == "api_key_banned"
+    count = conn.execute("select count(*) as n from bans").fetchone()
+    assert count == {"n": 1}
