@@ -158,8 +158,10 @@ def cut_while_idle(conn: Connection) -> bool:
     """Whether an idle connection has something to read: the server closed it, or said it will."""
     if conn.closed:
         return True
-    readable, _writable, _failed = select.select([conn.fileno()], [], [], 0)
-    return bool(readable)
+    # poll, not select: a descriptor past FD_SETSIZE (1024) is fine.
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _release_conn(exc: BaseException | None) -> None:
