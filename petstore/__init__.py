@@ -8,7 +8,7 @@ from typing import Any
 from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from petstore import config, db, errors, metrics, pipeline, ratelimit, views
+from petstore import auth, config, db, errors, metrics, pipeline, ratelimit, views
 from petstore.views import docs, health, root
 from petstore.views import metrics as metrics_view
 from petstore.web import API_PREFIX
@@ -39,6 +39,7 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
 
     errors.init_app(app)
     db.init_app(app)
+    auth.init_app(app)
     ratelimit.init_app(app)
     # The request path, in order (petstore/pipeline.py):
     # identify → count → refuse banned → require a key → require a scope → view → headers → log

@@ -9,10 +9,11 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from flask import current_app, request
+from flask import Flask, current_app, request
 
-from petstore.db import Connection, first_query
+from petstore.db import Connection, get_conn
 from petstore.errors import APIError
+from petstore.keycache import KeyCache
 from petstore.queries import keys
 
 KEY_PREFIX = "ps_"
@@ -175,7 +176,8 @@ def identify_caller(
     """(the key's row, None), or (None, the 401 to answer): who is calling `view` (current_view()),
     refusing nothing yet.
 
-    The row has id, plan, per_minute, per_day, scopes, expired and banned_until. Refusing happens later, in
+    The row has id, plan, per_minute, per_day, scopes, expired and banned_until, from the
+    worker's key cache or the database (petstore.keycache). Refusing happens later, in
     require_caller, so that a request without a valid key spends its address's budget first.
     When the database cannot be asked, its error propagates: a 503, and no budget is spent.
     """
@@ -186,15 +188,44 @@ def identify_caller(
         return None, unauthorized(
             "An API key is required: send 'Authorization: Bearer <key>'.", False
         )
-    row = (
-        first_query(keys.find_key_by_hash, hash_key(token)) if KEY_SHAPE.fullmatch(token) else None
-    )
+    row = get_key_cache().caller(hash_key(token), find_key) if KEY_SHAPE.fullmatch(token) else None
     if row is None:
         return None, unauthorized("The API key is not valid.", True)
     if row["expired"]:
         # Known, but past its expiry: a message of its own, so its holder knows to get a new one.
         return None, unauthorized("The API key has expired.", True)
     return row, None
+
+
+def find_key(key_hash: bytes) -> dict[str, Any] | None:
+    """The row of the key with this secret's hash, from the database (keys.find_key_by_hash)."""
+    return keys.find_key_by_hash(get_conn(), key_hash)
+
+
+def get_key_cache() -> KeyCache:
+    """The key cache of the current app."""
+    cache: KeyCache = current_app.extensions["petstore.key_cache"]
+    return cache
+
+
+def reread_caller() -> dict[str, Any] | None:
+    """The request's caller read again from the database, past the key cache (KeyCache.reread)."""
+    token = bearer_token(request.headers.get("Authorization", ""))
+    if token is None or not KEY_SHAPE.fullmatch(token):
+        return None
+    return get_key_cache().reread(hash_key(token), find_key)
+
+
+def forget_key(key_id: int) -> None:
+    """This worker changed the key `key_id` (banned it): its next request reads the database."""
+    get_key_cache().forget(key_id)
+
+
+def init_app(app: Flask) -> None:
+    """Give the app (one per process) its cache of key rows, sized by the settings."""
+    app.extensions["petstore.key_cache"] = KeyCache(
+        app.config["KEY_CACHE_SECONDS"], app.config["KEY_CACHE_SIZE"]
+    )
 
 
 def require_caller(refusal: APIError | None) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 import click
 import psycopg
 
-from petstore import auth, config, db, devserver, openapi, views
+from petstore import auth, config, db, devserver, keycache, openapi, views
 from petstore.queries import bans, idempotency, keys
 from petstore.ratelimit.bans import clear_strikes
 from petstore.ratelimit.plans import PLANS
@@ -405,8 +406,9 @@ def development_key(conn: db.Connection, path: Path) -> tuple[str, int, bool]:
         kept = ""
     if kept:
         row = keys.find_key_by_hash(conn, auth.hash_key(kept))
-        if row is not None and not row["expired"]:
-            return kept, int(row["id"]), True
+        caller = None if row is None else keycache.caller_at(row, time.time())
+        if caller is not None and not caller["expired"]:
+            return kept, int(caller["id"]), True
     keys.revoke_keys_labelled(conn, DEV_KEY_LABEL)
     key, row = auth.issue_key(conn, "free", DEV_KEY_LABEL, None, None)
     path.unlink(missing_ok=True)

@@ -197,6 +197,9 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_RATELIMIT_TUNED_STORAGES": ("RATELIMIT_TUNED_STORAGES", _switch, True),
     "PETSTORE_IP_LIMITS": ("IP_LIMITS", _limits, "60/minute;1000/day"),
     "PETSTORE_ANONYMOUS_CLIENTS": ("ANONYMOUS_CLIENTS", _int(1), 10_000),
+    # How long a worker uses a key's row before asking the database again (petstore.keycache).
+    "PETSTORE_KEY_CACHE_SECONDS": ("KEY_CACHE_SECONDS", _float(0), 1.0),
+    "PETSTORE_KEY_CACHE_SIZE": ("KEY_CACHE_SIZE", _int(1), 10_000),
     "PETSTORE_BAN_THRESHOLD": ("BAN_THRESHOLD", _int(1), 10),
     "PETSTORE_BAN_SECONDS": ("BAN_SECONDS", _int(1), 900),
     # Escalation: a ban that starts less than BAN_REPEAT_SECONDS after the key's last one ended

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import select
 import time
 from collections.abc import Callable, Mapping
 from importlib import resources
@@ -177,29 +178,24 @@ def get_conn() -> Connection:
     Connections are in autocommit mode: each statement is its own transaction,
     which saves the BEGIN and COMMIT round trips. Code that needs several
     statements to be atomic opens `with conn.transaction():` around them.
+
+    A restart of PostgreSQL cuts the pool's idle connections without the pool noticing: the
+    server's farewell waits unread on the socket. An idle connection with anything to read is
+    suspect, then: the pool tests its idle connections and hands out a live one. Polling the
+    socket costs a microsecond, where testing every connection before handing it out would
+    cost a round trip; whatever the request's first statement is (the key's, or its view's
+    when the key's row is cached), it meets no connection cut while it was idle.
     """
     if "conn" not in g:
-        g.conn = get_pool().getconn()
+        pool = get_pool()
+        taken = pool.getconn()
+        if cut_while_idle(taken):
+            pool.putconn(taken)
+            pool.check()
+            taken = pool.getconn()
+        g.conn = taken
     conn: Connection = g.conn
     return conn
-
-
-def first_query(query: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run the request's first statement, `query(conn, *args, **kwargs)`, on the request's connection.
-
-    A restart of PostgreSQL cuts the pool's idle connections without the pool noticing. If the
-    connection turns out to be cut, nothing was done on it yet, so test the pool's idle
-    connections and run the statement once more on a live one. This costs nothing while the
-    database is up, unlike testing every connection before handing it out.
-    """
-    conn = get_conn()
-    try:
-        return query(conn, *args, **kwargs)
-    except psycopg.OperationalError:
-        if not conn.broken:
-            raise
-        discard_broken_connections()
-        return query(get_conn(), *args, **kwargs)
 
 
 def read(query: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -212,7 +208,7 @@ def read(query: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     extensions = current_app.extensions
     pool: ConnectionPool[Connection] | None = extensions.get("petstore.read_pool")
     if pool is None or time.monotonic() < extensions["petstore.read_pool_rests_until"]:
-        return first_query(query, *args, **kwargs)
+        return query(get_conn(), *args, **kwargs)
     try:
         with pool.connection(timeout=READ_POOL_TIMEOUT) as conn:
             return query(conn, *args, **kwargs)
@@ -223,7 +219,17 @@ def read(query: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             "standby unavailable, reading from the primary: %s: %s", type(exc).__name__, exc
         )
         extensions["petstore.read_pool_rests_until"] = time.monotonic() + READ_POOL_REST
-    return first_query(query, *args, **kwargs)
+    return query(get_conn(), *args, **kwargs)
+
+
+def cut_while_idle(conn: Connection) -> bool:
+    """Whether an idle connection has something to read: the server closed it, or said it will."""
+    if conn.closed:
+        return True
+    # poll, not select: a descriptor past FD_SETSIZE (1024) is fine.
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _release_conn(exc: BaseException | None) -> None:

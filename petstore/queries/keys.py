@@ -11,11 +11,14 @@ from petstore.db import Connection
 
 def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None:
     """The unrevoked key with this secret's hash: id, plan, per-key numbers, scopes (separated by
-    spaces), whether it has expired, and the end of any active ban.
+    spaces), when it expires, when the grace of the previous secret it was found by ends, and
+    the end of any active ban (each None for never).
 
     The hash is the key's current secret, or its previous one within the grace of a rotation.
-    An expired key is returned too (`expired`), so that its 401 can say so. One query for all
-    of it, so that checking expiry, scopes and bans costs no second round trip.
+    An expired key is returned too, so that its 401 can say so. Instants rather than whether
+    they have passed, so that a row kept for a while (petstore.keycache) is judged at each
+    request. One query for all of it, so that checking expiry, scopes and bans costs no second
+    round trip.
     """
     return conn.execute(
         """
@@ -24,7 +27,10 @@ def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None
                k.per_minute,
                k.per_day,
                array_to_string(k.scopes, ' ') as scopes,
-               coalesce(k.expires_at <= now(), false) as expired,
+               k.expires_at,
+               case when k.key_hash = %(key_hash)s then null
+                    else k.previous_valid_until
+               end as grace_until,
                b.banned_until
           from api_keys k
           left join lateral (

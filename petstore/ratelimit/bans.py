@@ -12,8 +12,8 @@ from flask import current_app, g
 from limits import RateLimitItem
 from limits.storage import storage_from_string
 
-from petstore import db, metrics
-from petstore.errors import APIError
+from petstore import auth, db, metrics
+from petstore.errors import DATABASE_UNAVAILABLE, APIError
 from petstore.queries import bans as ban_sql
 from petstore.ratelimit import storages
 from petstore.ratelimit.limiter import PlanLimiter
@@ -82,6 +82,12 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
     strike cannot be counted or the ban stored (the sentence is empty then).
     """
     config = current_app.config
+    # The key cache's row may predate a ban another worker stored: the database says, before a
+    # strike (a refused request's query, paid by the caller that keeps calling, not by everyone).
+    try:
+        refuse_banned(auth.reread_caller())
+    except DATABASE_UNAVAILABLE:
+        log.warning("cannot read key %s again before its strike", caller["id"])
     storage = limiter.limiter.storage
     strikes_at = strike_key(config, caller["id"])
     try:
@@ -99,6 +105,8 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
                 max_seconds=config["BAN_MAX_SECONDS"],
                 repeat_seconds=config["BAN_REPEAT_SECONDS"],
             )
+        # This worker's next request of the key sees the ban, whoever stored it.
+        auth.forget_key(caller["id"])
         # A new ban starts a new count: after it ends, the key gets a full threshold again.
         storage.clear(strikes_at)
     except Exception:

@@ -12,7 +12,7 @@ from flask.testing import FlaskClient
 from petstore import auth, db
 from petstore.queries import keys
 from tests.conftest import count_pets
-from tests.support.checks import assert_error
+from tests.support.checks import assert_error, pass_key_cache_bound
 
 REALM = 'Bearer realm="petstore"'
 INVALID_TOKEN = 'Bearer realm="petstore", error="invalid_token"'
@@ -108,6 +108,7 @@ def test_revoked_key_is_401(client: FlaskClient, conn: db.Connection) -> None:
     assert client.get("/v1/pets", headers=headers).status_code == 200
 
     assert keys.revoke_key(conn, row["id"]) is True
+    pass_key_cache_bound(client.application)
     response = client.get("/v1/pets", headers=headers)
 
     assert_unauthorized(response, INVALID_TOKEN)

@@ -115,6 +115,8 @@ TABLE: dict[str, tuple[Any, str, Any, str | None]] = {
     "PETSTORE_RATELIMIT_TUNED_STORAGES": (True, "OFF", False, "2"),
     "PETSTORE_IP_LIMITS": ("60/minute;1000/day", "10/second", "10/second", "10 per"),
     "PETSTORE_ANONYMOUS_CLIENTS": (10_000, "500", 500, "0"),
+    "PETSTORE_KEY_CACHE_SECONDS": (1.0, "0", 0.0, "-1"),
+    "PETSTORE_KEY_CACHE_SIZE": (10_000, "100", 100, "0"),
     "PETSTORE_BAN_THRESHOLD": (10, "3", 3, "0"),
     "PETSTORE_BAN_SECONDS": (900, "60", 60, "ten"),
     "PETSTORE_BAN_ESCALATION": (2, "3", 3, "0"),

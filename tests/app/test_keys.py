@@ -17,7 +17,7 @@ from petstore import db
 from petstore.auth import needs_scope
 from petstore.cli import main
 from tests.conftest import count_pets
-from tests.support.checks import assert_error
+from tests.support.checks import assert_error, pass_key_cache_bound
 
 KEY = re.compile(r"ps_[A-Za-z0-9_-]{43}")
 INSUFFICIENT_SCOPE = 'Bearer realm="petstore", error="insufficient_scope", scope="write"'
@@ -87,6 +87,7 @@ def test_a_key_works_until_it_expires_then_gets_its_own_401(
     assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
 
     expire_now(conn, key)
+    pass_key_cache_bound(client.application)
     response = client.get("/v1/pets", headers=bearer(key))
 
     body = assert_error(response, 401, "unauthorized")
@@ -286,6 +287,7 @@ def test_rotation_keeps_the_key_and_its_budget_and_the_old_secret_for_the_grace(
     assert [(row["plan"], row["label"]) for row in table(conn)] == [("free", "app")]
 
     conn.execute("update api_keys set previous_valid_until = now() where id = %s", [ident])
+    pass_key_cache_bound(client.application)
     after_grace = client.get("/v1/pets", headers=bearer(old))
     body = assert_error(after_grace, 401, "unauthorized")
     assert body["message"] == "The API key is not valid."

@@ -13,7 +13,7 @@ from werkzeug.test import TestResponse
 
 from petstore import db
 from petstore.cli import main as cli
-from tests.support.checks import assert_error, every_status
+from tests.support.checks import assert_error, every_status, pass_key_cache_bound
 
 RATE_HEADERS = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
 
@@ -49,15 +49,18 @@ def test_each_plan_has_its_numbers(
 def test_plan_change_takes_effect_on_the_next_request(
     client: Any, api_key: str, conn: db.Connection
 ) -> None:
-    """free -> pro between two requests: the next one counts against 300/minute.
+    """free -> pro between two requests (the key cache's bound apart): the next one counts
+    against 300/minute.
 
     The storage key names the limit's numbers, so the new plan's minute starts a counter of its own.
     """
     assert numbers(client.get("/v1/pets", headers=bearer(api_key)))[:2] == (60, 59)
     assert numbers(client.get("/v1/pets", headers=bearer(api_key)))[:2] == (60, 58)
     conn.execute("update api_keys set plan = 'pro'")
+    pass_key_cache_bound(client.application)
     assert numbers(client.get("/v1/pets", headers=bearer(api_key)))[:2] == (300, 299)
     conn.execute("update api_keys set plan = 'free'")
+    pass_key_cache_bound(client.application)
     assert numbers(client.get("/v1/pets", headers=bearer(api_key)))[:2] == (60, 57)
 
 
@@ -75,8 +78,10 @@ def test_budget_runs_out_with_429_then_daily_numbers_show_near_the_daily_cap(
     key = issue_key("enterprise", per_minute=5, per_day=8)
     for expected in (4, 3, 2):
         assert numbers(client.get("/v1/pets", headers=bearer(key)))[:2] == (5, expected)
-    # New numbers take effect on the next request; the day now has fewer left than the minute.
+    # New numbers take effect on the next request once the key cache's bound has passed; the
+    # day now has fewer left than the minute.
     conn.execute("update api_keys set per_minute = 50")
+    pass_key_cache_bound(client.application)
     for expected in (4, 3, 2, 1, 0):
         response = client.get("/v1/pets", headers=bearer(key))
         assert response.status_code == 200
@@ -217,6 +222,7 @@ def test_banned_requests_spend_no_budget(
         assert_error(client.get("/v1/pets", headers=bearer(key)), 429, "api_key_banned")
     conn.execute("update bans set lifted_at = now()")
     conn.execute("update api_keys set per_minute = 100")
+    pass_key_cache_bound(client.application)
     response = client.get("/v1/pets", headers=bearer(key))
     assert response.status_code == 200
     # 1 success + 1 refused by the minute limit (never counted by the day) + this one.

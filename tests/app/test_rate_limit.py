@@ -12,7 +12,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from petstore.cli import main
-from tests.support.checks import assert_error
+from tests.support.checks import assert_error, pass_key_cache_bound
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -233,6 +233,7 @@ def test_bans_lift_clears_the_strikes(
 
     assert result.exit_code == 0, result.output
     assert result.output == "lifted the ban of key 2 and cleared its strikes\n"
+    pass_key_cache_bound(client.application)
     after = standing(client, key)
     assert after["ban"] is None and after["strikes"]["count"] == 0
     assert standing(client, other)["strikes"]["count"] == 2

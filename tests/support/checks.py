@@ -145,6 +145,14 @@ def assert_banned(answer: Answer, limit: int, banned_until: float) -> None:
     assert 1 <= retry_after(answer) <= math.ceil(banned_until - answer.received) + 1, answer
 
 
+def pass_key_cache_bound(app: Flask) -> None:
+    """Move `app` past its key cache's bound (KEY_CACHE_SECONDS), as if that long had passed
+    since a change to a key: every row it holds is then read again (petstore.keycache)."""
+    cache = app.extensions["petstore.key_cache"]
+    clock, seconds = cache.clock, cache.seconds
+    cache.clock = lambda: clock() + seconds
+
+
 def flask_getter(app: Flask, key: str, within: float) -> Callable[[], Answer]:
     """GET /v1/pets through the Flask test client, timed, in a thread so that a hang fails the test."""
     client = app.test_client()

@@ -87,12 +87,17 @@ def cluster_key(cluster: ThrowawayPostgres) -> str:
 
 
 @pytest.fixture
-def outage_app(cluster: ThrowawayPostgres) -> Iterator[Callable[[], Flask]]:
+def outage_app(cluster: ThrowawayPostgres) -> Iterator[Callable[..., Flask]]:
     """Build apps on the throwaway cluster with the small outage bounds; their pools are closed after."""
     apps: list[Flask] = []
 
-    def build() -> Flask:
-        settings = {"DATABASE_URL": cluster.url(APP_DBNAME), "TESTING": True, **OUTAGE_SETTINGS}
+    def build(**overrides: Any) -> Flask:
+        settings = {
+            "DATABASE_URL": cluster.url(APP_DBNAME),
+            "TESTING": True,
+            **OUTAGE_SETTINGS,
+            **overrides,
+        }
         app = create_app(settings)
         apps.append(app)
         return app
@@ -243,6 +248,37 @@ def test_restart_while_idle_loses_no_request(
 ) -> None:
     """Pooled connections cut by a restart are never handed to a request once PostgreSQL is back."""
     restart_while_idle(cluster, flask_getter(outage_app(), cluster_key, HTTP_TIMEOUT))
+
+
+def test_restart_while_idle_loses_no_request_for_a_held_key(
+    cluster: ThrowawayPostgres, cluster_key: str, outage_app: Callable[..., Flask]
+) -> None:
+    """With the key's row held by the key cache, the view's query is the request's first: it
+    too never meets a connection the restart cut."""
+    restart_while_idle(
+        cluster, flask_getter(outage_app(KEY_CACHE_SECONDS=3600), cluster_key, HTTP_TIMEOUT)
+    )
+
+
+def test_held_and_unheld_keys_get_prompt_503s_while_the_database_is_down(
+    cluster: ThrowawayPostgres, cluster_key: str, outage_app: Callable[..., Flask]
+) -> None:
+    """A key the cache holds gets past identification, and its view's query answers 503; a key
+    it does not hold is a 503 at once. Neither hangs nor spends budget into a 429."""
+    app = outage_app(KEY_CACHE_SECONDS=3600)
+    held = flask_getter(app, cluster_key, HTTP_TIMEOUT)
+    assert_ok(held())
+    with db.connect(config.from_environ({"DATABASE_URL": cluster.url(APP_DBNAME)})) as conn:
+        other, _row = auth.issue_key(conn, "enterprise", "not held", 100_000, 1_000_000)
+    unheld = flask_getter(app, other, HTTP_TIMEOUT)
+
+    cluster.stop()
+    expect_unavailable(unheld, 3)
+    expect_unavailable(held, 3)
+    assert app.extensions["petstore.key_cache"].entries.keys() == {auth.hash_key(cluster_key)}
+    cluster.start()
+    poll_until_ok(unheld)
+    assert_ok(held())
 
 
 def test_gunicorn_workers_recover_after_outage(
