@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import sys
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -15,12 +13,11 @@ from typing import Any
 import click
 import psycopg
 
-from petstore import auth, config, db, devserver, keycache, openapi, views
+from petstore import auth, config, db, devserver, openapi, views
 from petstore.queries import bans, idempotency, keys
 from petstore.ratelimit.bans import clear_strikes
 from petstore.ratelimit.plans import PLANS
 
-DEV_KEY_LABEL = "development key (make run)"
 FROM_MAKE_RUN = "petstore.cli.from_make_run"
 
 
@@ -375,47 +372,10 @@ def serve(bind: str, var_dir: Path) -> None:
         kept_in = var_dir.resolve() / devserver.DEV_KEY_FILE
         with database(settings) as conn:
             db.upgrade(conn)
-            key, key_id, kept = development_key(conn, kept_in)
-        click.echo(f"database: {settings['DATABASE_URL']}")
-        if kept:
-            click.echo(f"development key {key_id} (plan free), the last run's, from {kept_in}:")
-        else:
-            click.echo(
-                f"development key {key_id} (plan free), new, kept for the next runs in {kept_in}:"
-            )
-        click.echo(f"  {key}")
-        click.echo("try, in another terminal:")
-        click.echo(f"  KEY={key}")
-        click.echo(f'  curl -H "Authorization: Bearer $KEY" http://{bind}/v1/pets')
-        click.echo(f"  cd {Path.cwd()} && .venv/bin/petstore keys list")
-        click.echo(f"API docs: http://{bind}/v1/docs")
+            key, key_id, kept = devserver.development_key(conn, kept_in)
+        devserver.print_welcome(settings["DATABASE_URL"], bind, key, key_id, kept, kept_in)
         sys.stdout.flush()
         sys.exit(devserver.run_gunicorn(bind))
-
-
-def development_key(conn: db.Connection, path: Path) -> tuple[str, int, bool]:
-    """make run's key: (secret, id, whether it is the one kept in `path` from an earlier run).
-
-    Keys are stored hashed, so the secret is kept in `path` (mode 0600). When that key no longer
-    works on this database (revoked, expired, another database), a new one replaces it and
-    every other development key is revoked.
-    """
-    try:
-        kept = path.read_text(encoding="utf-8").strip()
-    except OSError:
-        kept = ""
-    if kept:
-        row = keys.find_key_by_hash(conn, auth.hash_key(kept))
-        caller = None if row is None else keycache.caller_at(row, time.time())
-        if caller is not None and not caller["expired"]:
-            return kept, int(caller["id"]), True
-    keys.revoke_keys_labelled(conn, DEV_KEY_LABEL)
-    key, row = auth.issue_key(conn, "free", DEV_KEY_LABEL, None, None)
-    path.unlink(missing_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-        file.write(key + "\n")
-    return key, int(row["id"]), False
 
 
 @main.command("openapi")

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,8 @@ import click
 import psycopg
 from psycopg import sql
 
-from petstore import config
+from petstore import auth, config, db, keycache
+from petstore.queries import keys
 
 GUNICORN_CONFIG = Path("deploy/gunicorn.conf.py")
 # Under var/: held by the `make run` that serves (with its pid and address), and the URL of its
@@ -30,8 +32,9 @@ GUNICORN_CONFIG = Path("deploy/gunicorn.conf.py")
 RUN_LOCK = "make-run.lock"
 RECORDED_URL = "database-url"
 # Under var/, readable by its owner only: make run's development key, kept across restarts so
-# that the terminal it was pasted in keeps working (petstore.cli.development_key).
+# that the terminal it was pasted in keeps working (development_key).
 DEV_KEY_FILE = "development-key"
+DEV_KEY_LABEL = "development key (make run)"
 
 
 def var_dir() -> Path:
@@ -204,3 +207,47 @@ def run_gunicorn(bind: str) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
     return child.wait()
+
+
+def development_key(conn: db.Connection, path: Path) -> tuple[str, int, bool]:
+    """make run's key: (secret, id, whether it is the one kept in `path` from an earlier run).
+
+    Keys are stored hashed, so the secret is kept in `path` (mode 0600). When that key no longer
+    works on this database (revoked, expired, another database), a new one replaces it and
+    every other development key is revoked.
+    """
+    try:
+        kept = path.read_text(encoding="utf-8").strip()
+    except OSError:
+        kept = ""
+    if kept:
+        row = keys.find_key_by_hash(conn, auth.hash_key(kept))
+        caller = None if row is None else keycache.caller_at(row, time.time())
+        if caller is not None and not caller["expired"]:
+            return kept, int(caller["id"]), True
+    keys.revoke_keys_labelled(conn, DEV_KEY_LABEL)
+    key, row = auth.issue_key(conn, "free", DEV_KEY_LABEL, None, None)
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write(key + "\n")
+    return key, int(row["id"]), False
+
+
+def print_welcome(
+    database_url: str, bind: str, key: str, key_id: int, kept: bool, kept_in: Path
+) -> None:
+    """What make run prints before gunicorn starts: the database, the key, lines to paste."""
+    click.echo(f"database: {database_url}")
+    if kept:
+        click.echo(f"development key {key_id} (plan free), the last run's, from {kept_in}:")
+    else:
+        click.echo(
+            f"development key {key_id} (plan free), new, kept for the next runs in {kept_in}:"
+        )
+    click.echo(f"  {key}")
+    click.echo("try, in another terminal:")
+    click.echo(f"  KEY={key}")
+    click.echo(f'  curl -H "Authorization: Bearer $KEY" http://{bind}/v1/pets')
+    click.echo(f"  cd {Path.cwd()} && .venv/bin/petstore keys list")
+    click.echo(f"API docs: http://{bind}/v1/docs")

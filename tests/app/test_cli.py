@@ -17,7 +17,8 @@ from click.testing import CliRunner, Result
 from flask.testing import FlaskClient
 
 from petstore import db
-from petstore.cli import development_key, main
+from petstore.cli import main
+from petstore.devserver import development_key
 from petstore.queries import keys
 from tests.support.checks import pass_key_cache_bound
 from tests.support.databases import empty_database
