@@ -74,7 +74,15 @@ def test_ban_lift_and_revocation_reach_every_worker_of_two_instances(
     assert all(answer.status == 200 for answer in everywhere(getters))
 
     with conn.transaction():
-        assert ban_sql.insert_ban(conn, key_id=row["id"], base_seconds=3600, strikes=10)
+        assert ban_sql.insert_ban(
+            conn,
+            key_id=row["id"],
+            base_seconds=3600,
+            strikes=10,
+            escalation=2,
+            max_seconds=86400,
+            repeat_seconds=86400,
+        )
     banned = seen_within(getters, lambda answer: code(answer) == "api_key_banned", "the ban")
 
     assert ban_sql.lift_bans(conn, row["id"]) == 1
