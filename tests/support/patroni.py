@@ -14,11 +14,23 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from psycopg import conninfo
 
-from tests.support.servers import LOOPBACK, ROOT, ServerProcess, free_port
+from petstore import auth, config, db, devserver
+from tests.support.servers import (
+    LOOPBACK,
+    ROOT,
+    RedisServer,
+    ServerProcess,
+    free_port,
+    poll_until,
+    run_every,
+)
 
 PATRONI_YML = ROOT / "deploy" / "patroni.yml"
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
+# The longest a node may take to become the primary, or the synchronous standby.
+CLUSTER_READY = 90.0
 
 
 def account() -> pwd.struct_passwd | None:
@@ -215,3 +227,67 @@ class PatroniNode(ServerProcess):
             timeout=timeout,
             env={**os.environ, "HOME": str(self.home)},
         )
+
+
+class Cluster:
+    """etcd, Patroni nodes db1 and db2 (db1 the first primary, db2 its synchronous standby), Redis,
+    a database `petstore` migrated and a key issued."""
+
+    def __init__(self, workdir: Path, connect_timeout: int) -> None:
+        self.workdir = workdir
+        self.connect_timeout = connect_timeout
+        self.etcd = Etcd(workdir)
+        self.nodes = [PatroniNode(workdir, name, self.etcd) for name in ("db1", "db2")]
+        self.redis = RedisServer(workdir / "redis")
+        self.key = ""
+
+    def start(self) -> None:
+        self.redis.start()
+        self.etcd.start()
+        first, second = self.nodes
+        first.start()
+        assert poll_until(first.is_primary, bool, CLUSTER_READY, 0.2), first.log()
+        second.start()
+        assert poll_until(second.is_sync_standby, bool, CLUSTER_READY, 0.2), second.log()
+        devserver.ensure_database(self.url("postgres"), "petstore")
+        with self.connect() as conn:
+            db.upgrade(conn)
+            self.key, _row = auth.issue_key(conn, "enterprise", "patroni", 10**7, 10**8)
+
+    def stop(self) -> None:
+        run_every([*(node.stop for node in self.nodes), self.etcd.stop, self.redis.stop])
+
+    def url(self, dbname: str = "petstore", attrs: str = "read-write") -> str:
+        """The multi-host URL of the README: every node, the one with `attrs` chosen by libpq."""
+        return conninfo.make_conninfo(
+            "",
+            host=",".join(node.address[0] for node in self.nodes),
+            port=",".join(str(node.address[1]) for node in self.nodes),
+            dbname=dbname,
+            user="postgres",
+            target_session_attrs=attrs,
+            connect_timeout=str(self.connect_timeout),
+        )
+
+    def connect_to(self, node: PatroniNode) -> db.Connection:
+        """A connection to this node's database, whatever its role."""
+        host, port = node.address
+        url = conninfo.make_conninfo(
+            "", host=host, port=str(port), dbname="petstore", user="postgres"
+        )
+        return db.connect(config.from_environ({"DATABASE_URL": url}))
+
+    def connect(self) -> db.Connection:
+        """A connection to the primary, whichever node it is."""
+        return db.connect(config.from_environ({"DATABASE_URL": self.url()}))
+
+    def primary(self) -> PatroniNode:
+        leaders = [node for node in self.nodes if node.process is not None and node.is_primary()]
+        assert len(leaders) == 1, [node.state() for node in self.nodes]
+        return leaders[0]
+
+    def standby(self) -> PatroniNode:
+        return next(node for node in self.nodes if node is not self.primary())
+
+    def wait_for_sync_standby(self, node: PatroniNode) -> None:
+        assert poll_until(node.is_sync_standby, bool, CLUSTER_READY, 0.2), node.log()

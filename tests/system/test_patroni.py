@@ -17,22 +17,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import yaml
-from psycopg import conninfo
 
-from petstore import auth, config, db, devserver
 from tests.support.load import MixedLoad
 from tests.support.nginx import Deployment, deploy
-from tests.support.patroni import PATRONI_YML, Etcd, PatroniNode
-from tests.support.servers import RedisServer, poll_until, run_every
+from tests.support.patroni import PATRONI_YML, Cluster
+from tests.support.servers import poll_until
 
 DCS = yaml.safe_load(PATRONI_YML.read_text(encoding="utf-8"))["bootstrap"]["dcs"]
 TTL = int(DCS["ttl"])
 WRITES_BACK_WITHIN = TTL + 5.0
-CLUSTER_READY = 90.0
 POOL_TIMEOUT = 1.0
 CONNECT_TIMEOUT = 2
 STATEMENT_TIMEOUT_MS = 2000
@@ -80,71 +76,9 @@ class Outcome:
         )
 
 
-class Cluster:
-    """etcd, nodes db1 and db2, and the service in front of them."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.etcd = Etcd(workdir)
-        self.nodes = [PatroniNode(workdir, name, self.etcd) for name in ("db1", "db2")]
-        self.redis = RedisServer(workdir / "redis")
-        self.key = ""
-
-    def start(self) -> None:
-        self.redis.start()
-        self.etcd.start()
-        first, second = self.nodes
-        first.start()
-        assert poll_until(first.is_primary, bool, CLUSTER_READY, 0.2), first.log()
-        second.start()
-        assert poll_until(second.is_sync_standby, bool, CLUSTER_READY, 0.2), second.log()
-        devserver.ensure_database(self.url("postgres"), "petstore")
-        with self.connect() as conn:
-            db.upgrade(conn)
-            self.key, _row = auth.issue_key(conn, "enterprise", "patroni", 10**7, 10**8)
-
-    def stop(self) -> None:
-        run_every([*(node.stop for node in self.nodes), self.etcd.stop, self.redis.stop])
-
-    def url(self, dbname: str = "petstore", attrs: str = "read-write") -> str:
-        """The multi-host URL of the README: every node, the one with `attrs` chosen by libpq."""
-        return conninfo.make_conninfo(
-            "",
-            host=",".join(node.address[0] for node in self.nodes),
-            port=",".join(str(node.address[1]) for node in self.nodes),
-            dbname=dbname,
-            user="postgres",
-            target_session_attrs=attrs,
-            connect_timeout=str(CONNECT_TIMEOUT),
-        )
-
-    def connect_to(self, node: PatroniNode) -> db.Connection:
-        """A connection to this node's database, whatever its role."""
-        host, port = node.address
-        url = conninfo.make_conninfo(
-            "", host=host, port=str(port), dbname="petstore", user="postgres"
-        )
-        return db.connect(config.from_environ({"DATABASE_URL": url}))
-
-    def connect(self) -> db.Connection:
-        """A connection to the primary, whichever node it is."""
-        return db.connect(config.from_environ({"DATABASE_URL": self.url()}))
-
-    def primary(self) -> PatroniNode:
-        leaders = [node for node in self.nodes if node.process is not None and node.is_primary()]
-        assert len(leaders) == 1, [node.state() for node in self.nodes]
-        return leaders[0]
-
-    def standby(self) -> PatroniNode:
-        return next(node for node in self.nodes if node is not self.primary())
-
-    def wait_for_sync_standby(self, node: PatroniNode) -> None:
-        assert poll_until(node.is_sync_standby, bool, CLUSTER_READY, 0.2), node.log()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    running = Cluster(tmp_path_factory.mktemp("patroni"))
+    running = Cluster(tmp_path_factory.mktemp("patroni"), CONNECT_TIMEOUT)
     try:
         running.start()
         yield running
