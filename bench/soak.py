@@ -269,7 +269,8 @@ def report(run: Run) -> str:
         fault = next((name for at, name, _, _ in run.faults if low <= run.started + at < high), "")
         other = sum(n for name, n in classes.items() if name.startswith("5") and name != "503")
         lines.append(
-            f"| {number * period / 60:g}-{(number + 1) * period / 60:g} min | {fault} "
+            f"| {number * period / 60:g}-{min(run.args.minutes, (number + 1) * period / 60):g} min "
+            f"| {fault} "
             f"| {len(within)} | {percentile(times, 0.5):.1f} | {percentile(times, 0.99):.1f} "
             f"| {max(times, default=0):.0f} | {classes['2xx']} | {classes['4xx']} "
             f"| {classes['503']} | {other} |"
