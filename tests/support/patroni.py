@@ -10,6 +10,7 @@ import signal
 import subprocess
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,15 +82,16 @@ def get_json(url: str, timeout: float = 1.0) -> tuple[int, Any]:
 
 
 class Etcd(ServerProcess):
-    """A one-member etcd 3.4 on free loopback ports, its data in `workdir`."""
+    """A one-member etcd 3.4 on free loopback ports (clients also on `also_listen`), its data in `workdir`."""
 
     name = "etcd"
     ready = "report healthy"
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, also_listen: Sequence[str] = ()) -> None:
         super().__init__(workdir / "etcd.log", start_timeout=20.0, stop_timeout=10.0)
         self.workdir = workdir
         self.peer_port = free_port()
+        self.also_listen = list(also_listen)
 
     @property
     def endpoint(self) -> str:
@@ -102,7 +104,8 @@ class Etcd(ServerProcess):
             "etcd",
             "--name=petstore-test",
             f"--data-dir={self.workdir / 'etcd-data'}",
-            f"--listen-client-urls={client}",
+            "--listen-client-urls="
+            + ",".join([client, *(f"http://{host}:{self.port}" for host in self.also_listen)]),
             f"--advertise-client-urls={client}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
@@ -116,13 +119,29 @@ class Etcd(ServerProcess):
 
 
 class PatroniNode(ServerProcess):
-    """`patroni` with deploy/patroni.yml for one node on loopback: its PostgreSQL port is `port`."""
+    """`patroni` with deploy/patroni.yml for one node: its PostgreSQL port is `port`.
+
+    On loopback, or at `host` in namespace `netns` (reaching etcd at `etcd_host`), trusting
+    every client on the test's links there.
+    """
 
     name = "patroni"
     ready = "answer on its REST API"
 
-    def __init__(self, workdir: Path, name: str, etcd: Etcd) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        name: str,
+        etcd: Etcd,
+        *,
+        netns: str | None = None,
+        host: str = LOOPBACK,
+        etcd_host: str = LOOPBACK,
+    ) -> None:
         super().__init__(workdir / f"{name}.log", start_timeout=60.0, stop_timeout=20.0)
+        self.netns = netns
+        self.host = host
+        self.etcd_host = etcd_host
         self.log_mode = "ab"
         self.workdir = workdir
         self.node = name
@@ -133,7 +152,7 @@ class PatroniNode(ServerProcess):
 
     @property
     def address(self) -> tuple[str, int]:
-        return LOOPBACK, self.port
+        return self.host, self.port
 
     @property
     def data_dir(self) -> Path:
@@ -144,13 +163,15 @@ class PatroniNode(ServerProcess):
         settings: dict[str, Any] = yaml.safe_load(PATRONI_YML.read_text(encoding="utf-8"))
         settings["name"] = self.node
         settings["restapi"] = {
-            "listen": f"{LOOPBACK}:{self.rest_port}",
-            "connect_address": f"{LOOPBACK}:{self.rest_port}",
+            "listen": f"{self.host}:{self.rest_port}",
+            "connect_address": f"{self.host}:{self.rest_port}",
         }
-        settings["etcd3"] = {"hosts": self.etcd.endpoint}
+        # etcd advertises its loopback address: in a namespace, the one given here, as a proxy.
+        etcd_hosts = f"{self.etcd_host}:{self.etcd.port}"
+        settings["etcd3"] = {"hosts": etcd_hosts, "use_proxies": self.netns is not None}
         postgresql = settings["postgresql"]
-        postgresql["listen"] = f"{LOOPBACK}:{self.port}"
-        postgresql["connect_address"] = f"{LOOPBACK}:{self.port}"
+        postgresql["listen"] = f"{self.host}:{self.port}"
+        postgresql["connect_address"] = f"{self.host}:{self.port}"
         postgresql["data_dir"] = str(self.data_dir)
         postgresql["bin_dir"] = str(PG_BIN)
         postgresql["pgpass"] = str(self.home / "pgpass")
@@ -159,6 +180,11 @@ class PatroniNode(ServerProcess):
             "local all all trust",
             f"host replication replicator {LOOPBACK}/32 trust",
             f"host all all {LOOPBACK}/32 trust",
+            *(
+                ["host replication replicator 10.0.0.0/8 trust", "host all all 10.0.0.0/8 trust"]
+                if self.netns is not None
+                else []
+            ),
         ]
         return settings
 
@@ -172,20 +198,20 @@ class PatroniNode(ServerProcess):
         self.launch(as_account(["patroni", str(self.config_path)]), cwd=self.home, env=environ)
 
     def answers(self) -> bool:
-        status, _body = get_json(f"http://{LOOPBACK}:{self.rest_port}/patroni")
+        status, _body = get_json(f"http://{self.host}:{self.rest_port}/patroni")
         return status in (200, 503)
 
     def state(self) -> dict[str, Any]:
         """Patroni's view of this node (role, state, timeline...), or {} when it does not answer."""
-        status, body = get_json(f"http://{LOOPBACK}:{self.rest_port}/patroni")
+        status, body = get_json(f"http://{self.host}:{self.rest_port}/patroni")
         return body if status in (200, 503) and isinstance(body, dict) else {}
 
     def is_primary(self) -> bool:
-        status, _body = get_json(f"http://{LOOPBACK}:{self.rest_port}/primary")
+        status, _body = get_json(f"http://{self.host}:{self.rest_port}/primary")
         return status == 200
 
     def is_sync_standby(self) -> bool:
-        status, _body = get_json(f"http://{LOOPBACK}:{self.rest_port}/sync")
+        status, _body = get_json(f"http://{self.host}:{self.rest_port}/sync")
         return status == 200
 
     def postmaster_pid(self) -> int | None:
@@ -233,11 +259,19 @@ class Cluster:
     """etcd, Patroni nodes db1 and db2 (db1 the first primary, db2 its synchronous standby), Redis,
     a database `petstore` migrated and a key issued."""
 
-    def __init__(self, workdir: Path, connect_timeout: int) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        connect_timeout: int,
+        place: Callable[[Etcd, str], PatroniNode] | None = None,
+        etcd: Etcd | None = None,
+    ) -> None:
+        """`place(etcd, name)` makes each node (default: on loopback)."""
         self.workdir = workdir
         self.connect_timeout = connect_timeout
-        self.etcd = Etcd(workdir)
-        self.nodes = [PatroniNode(workdir, name, self.etcd) for name in ("db1", "db2")]
+        self.etcd = etcd or Etcd(workdir)
+        make = place or (lambda etcd, name: PatroniNode(workdir, name, etcd))
+        self.nodes = [make(self.etcd, name) for name in ("db1", "db2")]
         self.redis = RedisServer(workdir / "redis")
         self.key = ""
 
