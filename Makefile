@@ -7,7 +7,7 @@ export BIND
 
 .DEFAULT_GOAL := help
 
-.PHONY: help run test test-fast lint format docs bench clean
+.PHONY: help run test test-fast lint format docs bench soak clean
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
@@ -50,6 +50,9 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 bench: $(VENV)/.bench-installed  ## Benchmark the service against the floors into bench/results/ (BENCH_ARGS=--help)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+soak: $(VENV)/.installed  ## As root, outside CI: 30 min of load on the whole stack, a fault every 5 (SOAK_ARGS=--help)
+	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 clean:  ## Remove the virtualenv and build files (var/ keeps the embedded database)
 	rm -rf $(VENV) build *.egg-info docs/_build

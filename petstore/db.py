@@ -47,6 +47,7 @@ def connection_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
         "row_factory": dict_row,
         "connect_timeout": config["DB_CONNECT_TIMEOUT"],
         "application_name": "petstore",
+        **tcp_liveness(config),
     }
     if behind_transaction_pooler(config):
         # Each transaction may run on another server connection: a statement prepared on one
@@ -57,6 +58,28 @@ def connection_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
     else:
         kwargs["options"] = f"-c statement_timeout={config['DB_STATEMENT_TIMEOUT_MS']}"
     return kwargs
+
+
+def tcp_liveness(config: Mapping[str, Any]) -> dict[str, int]:
+    """libpq's TCP options that find a server gone silent (packets dropped, no RST).
+
+    Without them a statement sent to a vanished server waits for the kernel's retransmissions,
+    some fifteen minutes, and the request with it. tcp_user_timeout closes a connection whose
+    sent data stays unacknowledged for DB_CONNECT_TIMEOUT: a live server's kernel acknowledges
+    in milliseconds, however long the statement runs, so no slow statement is cut. Keepalives
+    find a server that vanished while we waited for its answer: after DB_CONNECT_TIMEOUT of
+    silence, a probe each second, and the connection is closed when one stays unanswered past
+    tcp_user_timeout (Linux) or three in a row do. So a request on a silent server answers 503
+    within its statement timeout plus a few seconds (tests/system/test_network_cut.py).
+    """
+    seconds = int(config["DB_CONNECT_TIMEOUT"])
+    return {
+        "keepalives": 1,
+        "keepalives_idle": seconds,
+        "keepalives_interval": 1,
+        "keepalives_count": 3,
+        "tcp_user_timeout": seconds * 1000,
+    }
 
 
 class StatementTimeoutNotPinned(psycopg.OperationalError):

@@ -44,6 +44,21 @@ def test_transaction_pooler_sends_no_options_and_prepares_nothing() -> None:
     assert pooled["prepare_threshold"] is None
 
 
+def test_every_connection_finds_a_silent_server_within_the_connect_timeout() -> None:
+    liveness = {
+        "keepalives": 1,
+        "keepalives_idle": 2,
+        "keepalives_interval": 1,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 2000,
+    }
+    for pooler in ("none", "transaction"):
+        settings = config.from_environ(
+            {"PETSTORE_DB_CONNECT_TIMEOUT": "2", "PETSTORE_DB_POOLER": pooler}
+        )
+        assert db.connection_kwargs(settings).items() >= liveness.items()
+
+
 def test_a_direct_connection_keeps_its_prepared_statements(database_url: str) -> None:
     """No pooler between: the backend pid libpq was told is the server's, and psycopg may prepare."""
     settings = config.from_environ({"DATABASE_URL": database_url})

@@ -8,13 +8,17 @@ bridge, routing or forwarding is involved: each pair of hosts that talks shares 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import psycopg
+
 from tests.support.nginx import DeployedGunicorn
+from tests.support.patroni import PG_BIN, as_account, give_to_account
 from tests.support.programs import program
-from tests.support.servers import RedisServer, Service
+from tests.support.servers import RedisServer, ServerProcess, Service
 
 
 def ip(*args: str) -> None:
@@ -82,6 +86,69 @@ class Hosts(Service):
             subprocess.run(
                 [program("ip"), "netns", "del", self.made.pop()], capture_output=True, timeout=30
             )
+
+
+def cut(hosts: Hosts, host: str, peer: str) -> None:
+    """Cut `host` off its link to `peer`: `host`'s end goes down, so `peer` sees silence, no RST.
+
+    `peer`'s end keeps its address and route (it only loses carrier): what it sends is dropped,
+    as when a host vanishes behind a switch. `host` must be a namespace.
+    """
+    number = hosts.links.index((host, peer) if (host, peer) in hosts.links else (peer, host))
+    side = "a" if hosts.links[number][0] == host else "b"
+    tag = os.getpid() % 100_000
+    ip("-n", hosts.netns[host], "link", "set", f"pv{tag}x{number}{side}", "down")
+
+
+class HostPostgres(ServerProcess):
+    """A PostgreSQL 15 of its own (initdb in `workdir`) in namespace `netns`, listening on `address`.
+
+    Trusts every client on the test's links (10.0.0.0/8): a throwaway server on a test network.
+    """
+
+    name = "postgres"
+    ready = "accept connections"
+    stop_signal = signal.SIGINT  # fast shutdown
+
+    def __init__(self, workdir: Path, netns: str, address: str) -> None:
+        super().__init__(workdir / "postgres.log", start_timeout=60.0, stop_timeout=30.0)
+        self.workdir = workdir
+        self.netns = netns
+        self.address = address
+
+    def url(self, dbname: str = "postgres") -> str:
+        """The libpq URL of database `dbname`, across the link."""
+        return f"postgresql://postgres@{self.address}:{self.port}/{dbname}"
+
+    def start(self) -> None:
+        """initdb, then the postmaster in the namespace; wait until it accepts connections."""
+        data = self.workdir / "data"
+        give_to_account(self.workdir)
+        done = subprocess.run(
+            as_account(
+                [str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-N"]
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"initdb: {done.stdout}{done.stderr}")
+        with (data / "pg_hba.conf").open("a", encoding="utf-8") as hba:
+            hba.write("host all all 10.0.0.0/8 trust\n")
+        settings = [f"listen_addresses={self.address}", "unix_socket_directories=", "fsync=off"]
+        options = [item for setting in settings for item in ("-c", setting)]
+        self.launch(
+            as_account([str(PG_BIN / "postgres"), "-D", str(data), "-p", str(self.port), *options])
+        )
+
+    def answers(self) -> bool:
+        """Whether a connection across the link succeeds."""
+        try:
+            with psycopg.connect(self.url(), connect_timeout=1):
+                return True
+        except psycopg.Error:
+            return False
 
 
 class HostGunicorn(DeployedGunicorn):

@@ -10,16 +10,29 @@ import signal
 import subprocess
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+from psycopg import conninfo
 
+from petstore import auth, config, db, devserver
 from tests.support.programs import program
-from tests.support.servers import LOOPBACK, ROOT, ServerProcess, free_port
+from tests.support.servers import (
+    LOOPBACK,
+    ROOT,
+    RedisServer,
+    ServerProcess,
+    free_port,
+    poll_until,
+    run_every,
+)
 
 PATRONI_YML = ROOT / "deploy" / "patroni.yml"
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
+# The longest a node may take to become the primary, or the synchronous standby.
+CLUSTER_READY = 90.0
 
 
 def account() -> pwd.struct_passwd | None:
@@ -70,15 +83,16 @@ def get_json(url: str, timeout: float = 1.0) -> tuple[int, Any]:
 
 
 class Etcd(ServerProcess):
-    """A one-member etcd 3.4 on free loopback ports, its data in `workdir`."""
+    """A one-member etcd 3.4 on free loopback ports (clients also on `also_listen`), its data in `workdir`."""
 
     name = "etcd"
     ready = "report healthy"
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, also_listen: Sequence[str] = ()) -> None:
         super().__init__(workdir / "etcd.log", start_timeout=20.0, stop_timeout=10.0)
         self.workdir = workdir
         self.peer_port = free_port()
+        self.also_listen = list(also_listen)
 
     @property
     def endpoint(self) -> str:
@@ -91,7 +105,8 @@ class Etcd(ServerProcess):
             program("etcd"),
             "--name=petstore-test",
             f"--data-dir={self.workdir / 'etcd-data'}",
-            f"--listen-client-urls={client}",
+            "--listen-client-urls="
+            + ",".join([client, *(f"http://{host}:{self.port}" for host in self.also_listen)]),
             f"--advertise-client-urls={client}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
@@ -105,13 +120,29 @@ class Etcd(ServerProcess):
 
 
 class PatroniNode(ServerProcess):
-    """`patroni` with deploy/patroni.yml for one node on loopback: its PostgreSQL port is `port`."""
+    """`patroni` with deploy/patroni.yml for one node: its PostgreSQL port is `port`.
+
+    On loopback, or at `host` in namespace `netns` (reaching etcd at `etcd_host`), trusting
+    every client on the test's links there.
+    """
 
     name = "patroni"
     ready = "answer on its REST API"
 
-    def __init__(self, workdir: Path, name: str, etcd: Etcd) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        name: str,
+        etcd: Etcd,
+        *,
+        netns: str | None = None,
+        host: str = LOOPBACK,
+        etcd_host: str = LOOPBACK,
+    ) -> None:
         super().__init__(workdir / f"{name}.log", start_timeout=60.0, stop_timeout=20.0)
+        self.netns = netns
+        self.host = host
+        self.etcd_host = etcd_host
         self.log_mode = "ab"
         self.workdir = workdir
         self.node = name
@@ -122,7 +153,7 @@ class PatroniNode(ServerProcess):
 
     @property
     def address(self) -> tuple[str, int]:
-        return LOOPBACK, self.port
+        return self.host, self.port
 
     @property
     def data_dir(self) -> Path:
@@ -133,13 +164,15 @@ class PatroniNode(ServerProcess):
         settings: dict[str, Any] = yaml.safe_load(PATRONI_YML.read_text(encoding="utf-8"))
         settings["name"] = self.node
         settings["restapi"] = {
-            "listen": f"{LOOPBACK}:{self.rest_port}",
-            "connect_address": f"{LOOPBACK}:{self.rest_port}",
+            "listen": f"{self.host}:{self.rest_port}",
+            "connect_address": f"{self.host}:{self.rest_port}",
         }
-        settings["etcd3"] = {"hosts": self.etcd.endpoint}
+        # etcd advertises its loopback address: in a namespace, the one given here, as a proxy.
+        etcd_hosts = f"{self.etcd_host}:{self.etcd.port}"
+        settings["etcd3"] = {"hosts": etcd_hosts, "use_proxies": self.netns is not None}
         postgresql = settings["postgresql"]
-        postgresql["listen"] = f"{LOOPBACK}:{self.port}"
-        postgresql["connect_address"] = f"{LOOPBACK}:{self.port}"
+        postgresql["listen"] = f"{self.host}:{self.port}"
+        postgresql["connect_address"] = f"{self.host}:{self.port}"
         postgresql["data_dir"] = str(self.data_dir)
         postgresql["bin_dir"] = str(PG_BIN)
         postgresql["pgpass"] = str(self.home / "pgpass")
@@ -148,6 +181,11 @@ class PatroniNode(ServerProcess):
             "local all all trust",
             f"host replication replicator {LOOPBACK}/32 trust",
             f"host all all {LOOPBACK}/32 trust",
+            *(
+                ["host replication replicator 10.0.0.0/8 trust", "host all all 10.0.0.0/8 trust"]
+                if self.netns is not None
+                else []
+            ),
         ]
         return settings
 
@@ -163,20 +201,20 @@ class PatroniNode(ServerProcess):
         )
 
     def answers(self) -> bool:
-        status, _body = get_json(f"http://{LOOPBACK}:{self.rest_port}/patroni")
+        status, _body = get_json(f"http://{self.host}:{self.rest_port}/patroni")
         return status in (200, 503)
 
     def state(self) -> dict[str, Any]:
         """Patroni's view of this node (role, state, timeline...), or {} when it does not answer."""
-        status, body = get_json(f"http://{LOOPBACK}:{self.rest_port}/patroni")
+        status, body = get_json(f"http://{self.host}:{self.rest_port}/patroni")
         return body if status in (200, 503) and isinstance(body, dict) else {}
 
     def is_primary(self) -> bool:
-        status, _body = get_json(f"http://{LOOPBACK}:{self.rest_port}/primary")
+        status, _body = get_json(f"http://{self.host}:{self.rest_port}/primary")
         return status == 200
 
     def is_sync_standby(self) -> bool:
-        status, _body = get_json(f"http://{LOOPBACK}:{self.rest_port}/sync")
+        status, _body = get_json(f"http://{self.host}:{self.rest_port}/sync")
         return status == 200
 
     def postmaster_pid(self) -> int | None:
@@ -218,3 +256,75 @@ class PatroniNode(ServerProcess):
             timeout=timeout,
             env={**os.environ, "HOME": str(self.home)},
         )
+
+
+class Cluster:
+    """etcd, Patroni nodes db1 and db2 (db1 the first primary, db2 its synchronous standby), Redis,
+    a database `petstore` migrated and a key issued."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        connect_timeout: int,
+        place: Callable[[Etcd, str], PatroniNode] | None = None,
+        etcd: Etcd | None = None,
+    ) -> None:
+        """`place(etcd, name)` makes each node (default: on loopback)."""
+        self.workdir = workdir
+        self.connect_timeout = connect_timeout
+        self.etcd = etcd or Etcd(workdir)
+        make = place or (lambda etcd, name: PatroniNode(workdir, name, etcd))
+        self.nodes = [make(self.etcd, name) for name in ("db1", "db2")]
+        self.redis = RedisServer(workdir / "redis")
+        self.key = ""
+
+    def start(self) -> None:
+        self.redis.start()
+        self.etcd.start()
+        first, second = self.nodes
+        first.start()
+        assert poll_until(first.is_primary, bool, CLUSTER_READY, 0.2), first.log()
+        second.start()
+        assert poll_until(second.is_sync_standby, bool, CLUSTER_READY, 0.2), second.log()
+        devserver.ensure_database(self.url("postgres"), "petstore")
+        with self.connect() as conn:
+            db.upgrade(conn)
+            self.key, _row = auth.issue_key(conn, "enterprise", "patroni", 10**7, 10**8)
+
+    def stop(self) -> None:
+        run_every([*(node.stop for node in self.nodes), self.etcd.stop, self.redis.stop])
+
+    def url(self, dbname: str = "petstore", attrs: str = "read-write") -> str:
+        """The multi-host URL of the README: every node, the one with `attrs` chosen by libpq."""
+        return conninfo.make_conninfo(
+            "",
+            host=",".join(node.address[0] for node in self.nodes),
+            port=",".join(str(node.address[1]) for node in self.nodes),
+            dbname=dbname,
+            user="postgres",
+            target_session_attrs=attrs,
+            connect_timeout=str(self.connect_timeout),
+        )
+
+    def connect_to(self, node: PatroniNode) -> db.Connection:
+        """A connection to this node's database, whatever its role."""
+        host, port = node.address
+        url = conninfo.make_conninfo(
+            "", host=host, port=str(port), dbname="petstore", user="postgres"
+        )
+        return db.connect(config.from_environ({"DATABASE_URL": url}))
+
+    def connect(self) -> db.Connection:
+        """A connection to the primary, whichever node it is."""
+        return db.connect(config.from_environ({"DATABASE_URL": self.url()}))
+
+    def primary(self) -> PatroniNode:
+        leaders = [node for node in self.nodes if node.process is not None and node.is_primary()]
+        assert len(leaders) == 1, [node.state() for node in self.nodes]
+        return leaders[0]
+
+    def standby(self) -> PatroniNode:
+        return next(node for node in self.nodes if node is not self.primary())
+
+    def wait_for_sync_standby(self, node: PatroniNode) -> None:
+        assert poll_until(node.is_sync_standby, bool, CLUSTER_READY, 0.2), node.log()

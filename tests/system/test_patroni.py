@@ -6,33 +6,33 @@ DATABASE_URL (target_session_attrs=read-write). Under a mixed load (creates retr
 Idempotency-Key on 503, lists, gets): kill -9 of the primary's Patroni and postmaster, then, with
 the old primary back as the synchronous standby, a planned `patronictl switchover`. Each fault
 answers only 2xx and 503, writes are back within Patroni's ttl + 5 s, and every 201 is a row on
-the primary that follows. `pytest -s` prints the table.
+the primary that follows. Then, with the nodes in network namespaces of their own, the primary
+cut off the network (both its links down). `pytest -s` prints the table.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import yaml
-from psycopg import conninfo
 
-from petstore import auth, config, db, devserver
+from tests.support.hosts import Hosts, cut, ip
 from tests.support.load import MixedLoad
 from tests.support.nginx import Deployment, deploy
-from tests.support.patroni import PATRONI_YML, Etcd, PatroniNode
-from tests.support.servers import RedisServer, poll_until, run_every
+from tests.support.patroni import PATRONI_YML, Cluster, Etcd, PatroniNode
+from tests.support.servers import poll_until
 
 DCS = yaml.safe_load(PATRONI_YML.read_text(encoding="utf-8"))["bootstrap"]["dcs"]
 TTL = int(DCS["ttl"])
 WRITES_BACK_WITHIN = TTL + 5.0
-CLUSTER_READY = 90.0
 POOL_TIMEOUT = 1.0
 CONNECT_TIMEOUT = 2
 STATEMENT_TIMEOUT_MS = 2000
@@ -80,71 +80,9 @@ class Outcome:
         )
 
 
-class Cluster:
-    """etcd, nodes db1 and db2, and the service in front of them."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.etcd = Etcd(workdir)
-        self.nodes = [PatroniNode(workdir, name, self.etcd) for name in ("db1", "db2")]
-        self.redis = RedisServer(workdir / "redis")
-        self.key = ""
-
-    def start(self) -> None:
-        self.redis.start()
-        self.etcd.start()
-        first, second = self.nodes
-        first.start()
-        assert poll_until(first.is_primary, bool, CLUSTER_READY, 0.2), first.log()
-        second.start()
-        assert poll_until(second.is_sync_standby, bool, CLUSTER_READY, 0.2), second.log()
-        devserver.ensure_database(self.url("postgres"), "petstore")
-        with self.connect() as conn:
-            db.upgrade(conn)
-            self.key, _row = auth.issue_key(conn, "enterprise", "patroni", 10**7, 10**8)
-
-    def stop(self) -> None:
-        run_every([*(node.stop for node in self.nodes), self.etcd.stop, self.redis.stop])
-
-    def url(self, dbname: str = "petstore", attrs: str = "read-write") -> str:
-        """The multi-host URL of the README: every node, the one with `attrs` chosen by libpq."""
-        return conninfo.make_conninfo(
-            "",
-            host=",".join(node.address[0] for node in self.nodes),
-            port=",".join(str(node.address[1]) for node in self.nodes),
-            dbname=dbname,
-            user="postgres",
-            target_session_attrs=attrs,
-            connect_timeout=str(CONNECT_TIMEOUT),
-        )
-
-    def connect_to(self, node: PatroniNode) -> db.Connection:
-        """A connection to this node's database, whatever its role."""
-        host, port = node.address
-        url = conninfo.make_conninfo(
-            "", host=host, port=str(port), dbname="petstore", user="postgres"
-        )
-        return db.connect(config.from_environ({"DATABASE_URL": url}))
-
-    def connect(self) -> db.Connection:
-        """A connection to the primary, whichever node it is."""
-        return db.connect(config.from_environ({"DATABASE_URL": self.url()}))
-
-    def primary(self) -> PatroniNode:
-        leaders = [node for node in self.nodes if node.process is not None and node.is_primary()]
-        assert len(leaders) == 1, [node.state() for node in self.nodes]
-        return leaders[0]
-
-    def standby(self) -> PatroniNode:
-        return next(node for node in self.nodes if node is not self.primary())
-
-    def wait_for_sync_standby(self, node: PatroniNode) -> None:
-        assert poll_until(node.is_sync_standby, bool, CLUSTER_READY, 0.2), node.log()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    running = Cluster(tmp_path_factory.mktemp("patroni"))
+    running = Cluster(tmp_path_factory.mktemp("patroni"), CONNECT_TIMEOUT)
     try:
         running.start()
         yield running
@@ -152,8 +90,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         running.stop()
 
 
-@pytest.fixture(scope="module")
-def service(cluster: Cluster) -> Iterator[Deployment]:
+def serve(cluster: Cluster) -> AbstractContextManager[Deployment]:
+    """Two instances behind nginx, on the cluster's multi-host URL."""
     environ = {
         **ENVIRON,
         "DATABASE_URL": cluster.url(),
@@ -161,7 +99,12 @@ def service(cluster: Cluster) -> Iterator[Deployment]:
         "PETSTORE_READ_DATABASE_URL": cluster.url(attrs="prefer-standby"),
         "RATELIMIT_STORAGE_URI": cluster.redis.url(),
     }
-    with deploy(environ, cluster.workdir / "web", instances=2, workers=2, threads=4) as stack:
+    return deploy(environ, cluster.workdir / "web", instances=2, workers=2, threads=4)
+
+
+@pytest.fixture(scope="module")
+def service(cluster: Cluster) -> Iterator[Deployment]:
+    with serve(cluster) as stack:
         yield stack
 
 
@@ -343,3 +286,58 @@ def test_a_planned_switchover_loses_no_acknowledged_write(
     outcome, load = under_load(cluster, service, "patronictl switchover", switchover)
     assert cluster.primary() is candidate
     assert_no_write_lost(outcome, load, cluster)
+
+
+@pytest.fixture(scope="module")
+def cluster_on_hosts(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Hosts, Cluster, Deployment]]:
+    """db1 and db2 in namespaces of their own, each linked to the machine (etcd, the service) and
+    to the other (replication, which reaches the other's machine-side address across it)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 (`ip netns`): run .ci/install-iproute2 as root")
+    workdir = tmp_path_factory.mktemp("patroni-hosts")
+    hosts = Hosts(["db1", "db2"], [("", "db1"), ("", "db2"), ("db1", "db2")])
+    with hosts:
+        for node, other in (("db1", "db2"), ("db2", "db1")):
+            route = [f"{hosts.address(other, '')}/32", "via", hosts.address(other, node)]
+            ip("-n", hosts.netns[node], "route", "add", *route)
+        etcd = Etcd(workdir, also_listen=[hosts.address("", name) for name in ("db1", "db2")])
+
+        def place(etcd: Etcd, name: str) -> PatroniNode:
+            return PatroniNode(
+                workdir,
+                name,
+                etcd,
+                netns=hosts.netns[name],
+                host=hosts.address(name, ""),
+                etcd_host=hosts.address("", name),
+            )
+
+        running = Cluster(workdir, CONNECT_TIMEOUT, place, etcd)
+        try:
+            running.start()
+            with serve(running) as stack:
+                yield hosts, running, stack
+        finally:
+            running.stop()
+
+
+def test_the_primary_cut_off_the_network_loses_no_acknowledged_write(
+    cluster_on_hosts: tuple[Hosts, Cluster, Deployment],
+) -> None:
+    """Both links of the primary's host down (no RST: silence): its pooled connections fail within
+    tcp_user_timeout, the standby takes over when the leader's lease expires, and every 201
+    answered before is on it."""
+    hosts, cluster, service = cluster_on_hosts
+    old = cluster.primary()
+    standby = cluster.standby()
+
+    def cut_off() -> None:
+        for peer in ("", standby.node):
+            cut(hosts, old.node, peer)
+
+    outcome, load = under_load(cluster, service, "the primary cut off the network", cut_off)
+    assert standby.is_primary()
+    assert_no_write_lost(outcome, load, cluster)
+    assert outcome.unavailable > 0, "the cut was not seen"
