@@ -346,7 +346,7 @@ def introduction(
         f"{settings['duration']} s (each round runs every scenario on every server in turn, so "
         "both sides of a ratio see about the same background load), after a "
         f"{settings['warmup']} s mixed warm-up of each server. Every server is gunicorn with "
-        f"`{GUNICORN_CONFIG}` and its defaults (redis://: sync workers, 2 per core + 1; "
+        f"`{GUNICORN_CONFIG}` and its defaults (redis://: sync workers, one per core + 1; "
         "memory://: one gthread worker × 4 threads), the pool sized to the threads. The "
         f"headline goes through the shipped nginx site (`{NGINX_CONFIG}`, only its upstream "
         f"server, listen address and access log replaced; {NGINX_WORKERS} nginx workers, one "

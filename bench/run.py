@@ -85,8 +85,8 @@ from bench.servers import (
 
 SIZE_ROUNDS = 5  # at most, of the cost against table size
 
-# deploy/gunicorn.conf.py's default with a shared storage: sync workers, 2 per core + 1.
-SHARED_WORKERS = 2 * multiprocessing.cpu_count() + 1
+# deploy/gunicorn.conf.py's default with a shared storage: sync workers, one per core + 1.
+SHARED_WORKERS = multiprocessing.cpu_count() + 1
 # The headline: the production path, redis:// and the default serving configuration, through
 # the shipped nginx site (one nginx per server).
 PRODUCTION = tuple(

@@ -63,15 +63,17 @@ overrides.use_json_refusals()
 # BIND: the address nginx proxies to; several, comma-separated, are allowed.
 bind = _env("BIND", "127.0.0.1:8000").split(",")
 
-# The defaults: with a shared storage (redis://), gunicorn's own recommendation behind nginx,
-# sync workers, 2 per core + 1; `make bench` compares the serving configurations through nginx
-# (the reports in bench/results/). memory:// counts in one process, so it gets one gthread
-# worker with 4 threads.
+# The defaults: with a shared storage (redis://), sync workers, one per core + 1. `make bench`
+# compares the serving configurations through nginx (the reports in bench/results/): with the
+# key cache a request waits on the database once, so the workers are busy on the CPU, and one per
+# core + 1 answered more than gunicorn's usual 2 per core + 1 in every run, with less CPU per
+# request; gthread workers save nginx its new upstream connections but did not answer more.
+# memory:// counts in one process, so it gets one gthread worker with 4 threads.
 _shared_storage = not _env("RATELIMIT_STORAGE_URI", "memory://").startswith("memory://")
 # GUNICORN_WORKER_CLASS: sync (one request at a time per worker) or gthread (threads).
 worker_class = _env("GUNICORN_WORKER_CLASS", "sync" if _shared_storage else "gthread")
 # WEB_CONCURRENCY: worker processes.
-workers = _count("WEB_CONCURRENCY", 2 * multiprocessing.cpu_count() + 1 if _shared_storage else 1)
+workers = _count("WEB_CONCURRENCY", multiprocessing.cpu_count() + 1 if _shared_storage else 1)
 # PETSTORE_THREADS: threads per worker (gunicorn serves a sync worker given more than one with
 # gthread); each thread may hold one pooled connection, so the pool is sized to match unless
 # PETSTORE_DB_POOL_SIZE says otherwise.
