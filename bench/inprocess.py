@@ -61,11 +61,12 @@ VARIANTS = (
         (("RATELIMIT_TUNED_STORAGES", False),),
     ),
 )
-# Derived costs: (what, minuend, subtrahend, target µs or None).
-COSTS = (
+# Derived costs: (what, minuend, subtrahend, target µs or None). The request log has no budget
+# of its own: "ours outside SQL and framework" covers it (issue 20's decision).
+COSTS: tuple[tuple[str, str, str, int | None], ...] = (
     ("limiter, memory://", "service, memory://", "service without the limiter", 80),
     ("limiter, redis://", "service, redis://", "service without the limiter", 200),
-    ("request log", "service, memory://", "service, memory://, request log off", 25),
+    ("request log", "service, memory://", "service, memory://, request log off", None),
     ("ours outside SQL and framework, memory://", "service, memory://", VARIANTS[0].name, 150),
     ("ours outside SQL and framework, redis://", "service, redis://", VARIANTS[1].name, 150),
 )
@@ -205,6 +206,9 @@ def budget_table(budget: Budget, validation: dict[str, float], requests: int, ro
     ]
     for what, whole, without, target in COSTS:
         cost = budget[whole][0] - budget[without][0]
+        if target is None:
+            lines.append(f"| {what} ({whole} − {without}) | {cost:+,.0f} | none | n/a |")
+            continue
         met = "yes" if cost <= target else "no"
         lines.append(f"| {what} ({whole} − {without}) | {cost:+,.0f} | ≤ {target} | {met} |")
     for name, us in validation.items():
