@@ -18,6 +18,7 @@ from petstore.keycache import KeyCache
 from petstore.queries import bans as ban_sql
 from petstore.queries import keys as key_sql
 from tests.support.checks import assert_error, pass_key_cache_bound
+from tests.support.databases import store_ban
 
 # What the README promises with the default PETSTORE_KEY_CACHE_SECONDS (1 s).
 PROPAGATION_BOUND = 2.0
@@ -91,15 +92,7 @@ def nothing(conn: db.Connection, key_id: int) -> None:
 
 def ban(conn: db.Connection, key_id: int) -> None:
     with conn.transaction():
-        ban_sql.insert_ban(
-            conn,
-            key_id=key_id,
-            base_seconds=3600,
-            strikes=10,
-            escalation=2,
-            max_seconds=86400,
-            repeat_seconds=86400,
-        )
+        store_ban(conn, key_id, 3600)
 
 
 def rotate(conn: db.Connection, key_id: int) -> None:
@@ -214,15 +207,7 @@ def test_the_end_of_a_ban_is_exact_whatever_the_bound(
     client = make_app(KEY_CACHE_SECONDS=3600).test_client()
     key, key_id = issue(conn)
     with conn.transaction():
-        stored = ban_sql.insert_ban(
-            conn,
-            key_id=key_id,
-            base_seconds=1,
-            strikes=10,
-            escalation=2,
-            max_seconds=86400,
-            repeat_seconds=86400,
-        )
+        stored = store_ban(conn, key_id, 1)
     assert stored is not None
     assert code_of(client, key) == "api_key_banned"
 

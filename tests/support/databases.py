@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 from psycopg import conninfo, sql
+
+from petstore import config
+from petstore.queries import bans as ban_sql
 
 
 @contextmanager
@@ -23,3 +27,18 @@ def empty_database(database_url: str, suffix: str) -> Iterator[str]:
     finally:
         with psycopg.connect(admin_url, autocommit=True) as admin:
             admin.execute(drop)
+
+
+def store_ban(conn: psycopg.Connection[Any], key_id: int, seconds: int) -> dict[str, Any] | None:
+    """A ban of `seconds` for key `key_id`, stored as the service stores one, with the default
+    escalation settings (petstore.config); None when the key is banned already."""
+    defaults = config.from_environ({"DATABASE_URL": "postgresql://"})
+    return ban_sql.insert_ban(
+        conn,
+        key_id=key_id,
+        base_seconds=seconds,
+        strikes=10,
+        escalation=defaults["BAN_ESCALATION"],
+        max_seconds=defaults["BAN_MAX_SECONDS"],
+        repeat_seconds=defaults["BAN_REPEAT_SECONDS"],
+    )

@@ -15,6 +15,7 @@ from petstore import auth, db
 from petstore.queries import bans as ban_sql
 from petstore.queries import keys as key_sql
 from tests.support.checks import Answer, burst, http_getter
+from tests.support.databases import store_ban
 from tests.support.servers import ACCESS_PID_FORMAT, Gunicorn
 
 PROPAGATION_BOUND = 2.0
@@ -74,15 +75,7 @@ def test_ban_lift_and_revocation_reach_every_worker_of_two_instances(
     assert all(answer.status == 200 for answer in everywhere(getters))
 
     with conn.transaction():
-        assert ban_sql.insert_ban(
-            conn,
-            key_id=row["id"],
-            base_seconds=3600,
-            strikes=10,
-            escalation=2,
-            max_seconds=86400,
-            repeat_seconds=86400,
-        )
+        assert store_ban(conn, row["id"], 3600)
     banned = seen_within(getters, lambda answer: code(answer) == "api_key_banned", "the ban")
 
     assert ban_sql.lift_bans(conn, row["id"]) == 1
