@@ -237,6 +237,13 @@ class PatroniNode(ServerProcess):
         self.process.wait(timeout=10)
         self.process = None
 
+    def kill_patroni(self) -> None:
+        """kill -9 of Patroni alone (an OOM kill, a crash of its Python): its postmaster runs on."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(timeout=10)
+        self.process = None
+
     def stop(self) -> None:
         """Stop Patroni (it stops its PostgreSQL first); then make sure the postmaster is gone."""
         postmaster = self.postmaster_pid()

@@ -109,9 +109,14 @@ def service(cluster: Cluster) -> Iterator[Deployment]:
 
 
 def under_load(
-    cluster: Cluster, service: Deployment, label: str, fault: Callable[[], None]
+    cluster: Cluster,
+    service: Deployment,
+    label: str,
+    fault: Callable[[], None],
+    then: Callable[[], None] | None = None,
 ) -> tuple[Outcome, MixedLoad]:
-    """Run the mixed load, apply `fault`, wait (bounded) for writes to be back, then tally."""
+    """Run the mixed load, apply `fault`, wait (bounded) for writes to be back, run `then` (still
+    under load), then tally."""
     # A create is retried past the longest outage the test allows.
     load = MixedLoad(
         service.url, cluster.key, label, clients=CLIENTS, create_deadline=2 * WRITES_BACK_WITHIN
@@ -136,6 +141,8 @@ def under_load(
             return min(back) - fault_at if back and failed else (0.0 if back else None)
 
         back = poll_until(writes_back_after, lambda value: value is not None, 3 * TTL, 0.2)
+        if then is not None:
+            then()
         time.sleep(AFTER_RECOVERY)
         back = writes_back_after()  # a create that failed after the first 201 moves it on
     finally:
@@ -267,6 +274,35 @@ def test_kill_9_of_the_primary_loses_no_acknowledged_write(
     # The old primary comes back as the synchronous standby (pg_rewind), for what follows.
     old.start()
     cluster.wait_for_sync_standby(old)
+
+
+def test_kill_9_of_the_primary_patroni_alone_loses_no_acknowledged_write(
+    cluster: Cluster, service: Deployment
+) -> None:
+    """The primary's Patroni killed, its postmaster left running (an OOM kill of Patroni): the old
+    primary still accepts writes, but the standby takes the expired leader lock and writes follow
+    the lock, not "accepts writes". Then the old node's Patroni starts again and demotes it, still
+    under load: no 201 lost, no request past the bound, writes back within the ttl + 5 s."""
+    old = cluster.primary()
+    standby = cluster.standby()
+    postmaster = old.postmaster_pid()
+    assert postmaster is not None
+
+    def kill_patroni() -> None:
+        old.kill_patroni()
+        os.kill(postmaster, 0)  # the postmaster runs on, and still accepts writes
+
+    def rejoin() -> None:
+        assert poll_until(standby.is_primary, bool, 3 * TTL, 0.2), standby.log()
+        old.start()
+        cluster.wait_for_sync_standby(old)
+
+    outcome, load = under_load(
+        cluster, service, "kill -9 of the primary's Patroni alone", kill_patroni, rejoin
+    )
+    assert cluster.primary() is standby
+    assert_no_write_lost(outcome, load, cluster)
+    assert outcome.unavailable > 0, "the failover was not seen"
 
 
 def test_a_planned_switchover_loses_no_acknowledged_write(
