@@ -1,13 +1,16 @@
-"""PostgreSQL with Patroni (deploy/patroni.yml): the service follows the primary, and loses no 201.
+"""PostgreSQL with Patroni (deploy/patroni.yml): the service follows the leader, and loses no 201.
 
 etcd and two Patroni-managed PostgreSQL 15 nodes on loopback, synchronous replication; two
-gunicorn instances (the shipped config) behind nginx (the shipped site) with a multi-host
-DATABASE_URL (target_session_attrs=read-write). Under a mixed load (creates retried with their
-Idempotency-Key on 503, lists, gets): kill -9 of the primary's Patroni and postmaster, then, with
-the old primary back as the synchronous standby, a planned `patronictl switchover`. Each fault
-answers only 2xx and 503, writes are back within Patroni's ttl + 5 s, and every 201 is a row on
-the primary that follows. Then, with the nodes in network namespaces of their own, the primary
-cut off the network (both its links down). `pytest -s` prints the table.
+gunicorn instances (the shipped config) behind nginx (the shipped site) writing through HAProxy
+(deploy/haproxy.cfg: each connection to the node whose Patroni answers GET /primary, the one
+holding the leader lock) and reading on the standby by a multi-host URL. Under a mixed load
+(creates retried with their Idempotency-Key on 503, lists, gets): kill -9 of the primary's
+postmaster alone; of its Patroni and postmaster; of its Patroni alone (its PostgreSQL left
+accepting writes), then that Patroni started again; then, with the old primary back as the
+synchronous standby, a planned `patronictl switchover`. Each fault answers only 2xx and 503,
+writes are back within Patroni's ttl + 5 s, and every 201 is a row on the primary that follows.
+Then, with the nodes in network namespaces of their own, the primary cut off the network (both
+its links down). `pytest -s` prints the table.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
 import yaml
 
+from tests.support.haproxy import HAProxy
 from tests.support.hosts import Hosts, cut, ip
 from tests.support.load import MixedLoad
 from tests.support.nginx import Deployment, deploy
@@ -90,16 +94,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         running.stop()
 
 
-def serve(cluster: Cluster) -> AbstractContextManager[Deployment]:
-    """Two instances behind nginx, on the cluster's multi-host URL."""
-    environ = {
-        **ENVIRON,
-        "DATABASE_URL": cluster.url(),
-        # Lists and gets on the standby while there is one (README, "Reads on standbys").
-        "PETSTORE_READ_DATABASE_URL": cluster.url(attrs="prefer-standby"),
-        "RATELIMIT_STORAGE_URI": cluster.redis.url(),
-    }
-    return deploy(environ, cluster.workdir / "web", instances=2, workers=2, threads=4)
+@contextmanager
+def serve(cluster: Cluster) -> Iterator[Deployment]:
+    """Two instances behind nginx, writing through HAProxy (deploy/haproxy.cfg) to the node that
+    holds the leader lock; reading on the standby by the multi-host URL."""
+    with HAProxy(cluster.workdir / "haproxy", cluster.nodes) as haproxy:
+        environ = {
+            **ENVIRON,
+            "DATABASE_URL": haproxy.url(connect_timeout=CONNECT_TIMEOUT),
+            # Lists and gets on the standby while there is one (README, "Reads on standbys").
+            "PETSTORE_READ_DATABASE_URL": cluster.url(attrs="prefer-standby"),
+            "RATELIMIT_STORAGE_URI": cluster.redis.url(),
+        }
+        with deploy(environ, cluster.workdir / "web", instances=2, workers=2, threads=4) as stack:
+            yield stack
 
 
 @pytest.fixture(scope="module")
