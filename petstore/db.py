@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from flask import Flask, current_app, g
-from psycopg import pq, sql
+from psycopg import sql
 from psycopg.errors import Diagnostic
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -40,6 +40,8 @@ READ_CONNECTION_LIFETIME = 60.0
 # A write still unanswered this long after its statement timeout is cancelled (seconds): the
 # statement timeout does not cover a commit's wait for the synchronous standby.
 COMMIT_WAIT_MARGIN = 1.0
+# How often the commit watch looks for writes past their bound (seconds).
+COMMIT_WATCH_INTERVAL = 0.2
 
 
 def behind_transaction_pooler(config: Mapping[str, Any]) -> bool:
@@ -312,30 +314,28 @@ class CommitWatch:
     """One thread per process that cancels the writes still running past their deadline.
 
     Cancelling a commit that waits for the synchronous standby ends the wait: PostgreSQL keeps
-    the commit locally and says so in a WARNING, which durable_write turns into a 503.
+    the commit locally and says so in a WARNING, which durable_write turns into a 503. The thread
+    looks every COMMIT_WATCH_INTERVAL rather than being woken: a write pays a lock and two dict
+    operations, never a thread switch.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Condition()
-        self._due: dict[int, tuple[float, pq.abc.PGcancel]] = {}
+        self._lock = threading.Lock()
+        self._due: dict[int, tuple[float, Connection]] = {}
         self._tokens = itertools.count()
         self._thread: threading.Thread | None = None
 
     def watch(self, conn: Connection, seconds: float) -> int:
-        """Cancel `conn`'s statement in `seconds` unless unwatch(token) comes first."""
-        cancel = conn.pgconn.get_cancel()
+        """Cancel `conn`'s statement in `seconds` (give or take the interval) unless unwatch(token)."""
         token = next(self._tokens)
         with self._lock:
-            was_idle = not self._due
-            self._due[token] = (time.monotonic() + seconds, cancel)
+            self._due[token] = (time.monotonic() + seconds, conn)
             # Started on first use, in the worker: a thread of gunicorn's master is not forked.
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="petstore-commit-watch", daemon=True
                 )
                 self._thread.start()
-            elif was_idle:
-                self._lock.notify()
         return token
 
     def unwatch(self, token: int) -> None:
@@ -344,16 +344,23 @@ class CommitWatch:
             self._due.pop(token, None)
 
     def _run(self) -> None:
-        with self._lock:
-            while True:
-                now = time.monotonic()
+        while True:
+            time.sleep(COMMIT_WATCH_INTERVAL)
+            now = time.monotonic()
+            with self._lock:
                 expired = [token for token, (due, _) in self._due.items() if due <= now]
-                for token in expired:
-                    _due, cancel = self._due.pop(token)
-                    # PQcancel connects to the server: never under the lock, never in a row.
-                    threading.Thread(target=cancel.cancel, daemon=True).start()
-                nearest = min((due for due, _ in self._due.values()), default=None)
-                self._lock.wait(None if nearest is None else nearest - now)
+                conns = [self._due.pop(token)[1] for token in expired]
+            for conn in conns:
+                # psycopg's cancel may come from another thread; it connects to the server, so
+                # each in a thread of its own: a silent server holds up no other cancel.
+                threading.Thread(target=_cancel, args=(conn,), daemon=True).start()
+
+
+def _cancel(conn: Connection) -> None:
+    try:
+        conn.cancel()
+    except psycopg.Error as exc:  # closed meanwhile, or the server unreachable: nothing to end
+        log.warning("could not cancel a write past its bound: %s", exc)
 
 
 @contextmanager
