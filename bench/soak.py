@@ -10,8 +10,9 @@ sending to the host in its [databases] line, which a switchover makes a standby.
 
 Faults, in turn, one in the middle of each slice: kill -9 of the primary node (Patroni and
 postmaster; it is started again and rejoins as the synchronous standby), `patronictl
-switchover`, a Redis restart (a crash: its counters are lost), kill -9 of a gunicorn worker,
-and a restart of the primary's PgBouncer. Outside CI: run as root (PostgreSQL runs as
+switchover`, kill -9 of the primary's Patroni alone (its postmaster left accepting writes; that
+Patroni is started again and demotes it), a Redis restart (a crash: its counters are lost),
+kill -9 of a gunicorn worker, and a restart of the primary's PgBouncer. Outside CI: run as root (PostgreSQL runs as
 petstore.embedded's account), `make soak SOAK_ARGS="--minutes 4 --fault-every 0.75"` for a short one.
 """
 
@@ -102,6 +103,18 @@ class Stack:
         self.cluster.wait_for_sync_standby(old)
         return f"{old.node} killed, {other.node} promoted, {old.node} back as the sync standby"
 
+    def kill_primarys_patroni(self) -> str:
+        """kill -9 of the primary's Patroni alone, its postmaster left running; start it again once
+        the other leads (it demotes its PostgreSQL)."""
+        old = self.cluster.primary()
+        old.kill_patroni()
+        other = next(node for node in self.cluster.nodes if node is not old)
+        if not poll_until(other.is_primary, bool, REJOIN_WITHIN, 0.2):
+            raise RuntimeError(f"no failover to {other.node}:\n{other.log()}")
+        old.start()
+        self.cluster.wait_for_sync_standby(old)
+        return f"{old.node}'s Patroni killed, {other.node} promoted, {old.node} demoted and back"
+
     def switchover(self) -> str:
         """`patronictl switchover` to the synchronous standby."""
         old = self.cluster.primary()
@@ -139,6 +152,7 @@ class Stack:
         return [
             ("kill -9 of the primary node", self.kill_primary),
             ("patronictl switchover", self.switchover),
+            ("kill -9 of the primary's Patroni alone", self.kill_primarys_patroni),
             ("Redis restart", self.restart_redis),
             ("kill -9 of a gunicorn worker", self.kill_worker),
             ("PgBouncer restart (the primary's)", self.restart_primarys_bouncer),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from psycopg import conninfo
@@ -18,18 +18,25 @@ HAPROXY_CFG = ROOT / "deploy" / "haproxy.cfg"
 
 class HAProxy(ServerProcess):
     """`haproxy` in the foreground with deploy/haproxy.cfg: its `listen primary` on `port`, its
-    servers the `nodes` (PostgreSQL address, checked on the node's Patroni REST port).
+    servers the `nodes`, each checked on its Patroni REST port.
 
-    Only the addresses differ from the shipped file.
+    A node's server is its PostgreSQL, or `targets[node name]` (host, port): a PgBouncer before
+    it, say. Only the addresses differ from the shipped file.
     """
 
     name = "haproxy"
     ready = "accept connections"
 
-    def __init__(self, workdir: Path, nodes: Sequence[PatroniNode]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        nodes: Sequence[PatroniNode],
+        targets: Mapping[str, tuple[str, int]] | None = None,
+    ) -> None:
         super().__init__(workdir / "haproxy.log", start_timeout=10.0, stop_timeout=10.0)
         self.workdir = workdir
         self.nodes = list(nodes)
+        self.targets = dict(targets or {})
 
     def url(self, dbname: str = "petstore", connect_timeout: int = 2) -> str:
         """The libpq URL of the primary's database, through this HAProxy."""
@@ -52,7 +59,7 @@ class HAProxy(ServerProcess):
         shipped = re.findall(r"^    server (\S+) \S+ (.*) check port 8008$", text, re.MULTILINE)
         assert len(shipped) == len(self.nodes), shipped
         for (name, options), node in zip(shipped, self.nodes, strict=True):
-            host, port = node.address
+            host, port = self.targets.get(node.node, node.address)
             text = text.replace(
                 f"    server {name} {name}:5432 {options} check port 8008\n",
                 f"    server {node.node} {host}:{port} {options} check addr {node.host} "
