@@ -170,6 +170,8 @@ class PatroniNode(ServerProcess):
         # etcd advertises its loopback address: in a namespace, the one given here, as a proxy.
         etcd_hosts = f"{self.etcd_host}:{self.etcd.port}"
         settings["etcd3"] = {"hosts": etcd_hosts, "use_proxies": self.netns is not None}
+        # Never a watchdog here: one that fired would reset the machine running the tests.
+        settings["watchdog"] = {"mode": "off"}
         postgresql = settings["postgresql"]
         postgresql["listen"] = f"{self.host}:{self.port}"
         postgresql["connect_address"] = f"{self.host}:{self.port}"
