@@ -10,7 +10,7 @@ accepting writes), then that Patroni started again; then, with the old primary b
 synchronous standby, a planned `patronictl switchover`. Each fault answers only 2xx and 503,
 writes are back within Patroni's ttl + 5 s, and every 201 is a row on the primary that follows.
 Then, with the nodes in network namespaces of their own, the primary cut off the network (both
-its links down). `pytest -s` prints the table.
+its links down). The fault table is in the run's summary (`pytest -s` also prints each row).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
+from tests.support import reports
 from tests.support.haproxy import HAProxy
 from tests.support.hosts import Hosts, cut, ip
 from tests.support.load import MixedLoad
@@ -81,6 +82,21 @@ class Outcome:
             f"{self.fault:<36} {self.requests:>8} {self.ok:>6} {self.unavailable:>5} "
             f"{self.other:>5} {self.longest:>6.2f} s {self.writes_back_after:>9.2f} s "
             f"{self.created:>5} {self.rows:>5}"
+        )
+
+
+# Every fault's row, for the run's summary (tests/support/reports.py).
+OUTCOMES: list[Outcome] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fault_table() -> Iterator[None]:
+    """The outcome table of every fault in the run's summary at the end, as test_faults' is."""
+    yield
+    if OUTCOMES:
+        reports.add(
+            "Patroni faults under load (tests/system/test_patroni.py)",
+            [Outcome.HEADER, *(outcome.row() for outcome in OUTCOMES)],
         )
 
 
@@ -180,6 +196,7 @@ def under_load(
         rows=sum(rows.values()),
     )
     print(f"\n{Outcome.HEADER}\n{outcome.row()}")
+    OUTCOMES.append(outcome)
     return outcome, load
 
 
