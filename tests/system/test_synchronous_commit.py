@@ -19,6 +19,7 @@ import psycopg
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
+from prometheus_client.parser import text_string_to_metric_families
 from psycopg.errors import Diagnostic
 
 from petstore import auth, config, create_app, db, devserver
@@ -90,6 +91,18 @@ def count_named(server: ThrowawayPostgres, name: str) -> int:
     return int(row[0]) if row else 0
 
 
+def not_replicated(client: FlaskClient) -> float:
+    """petstore_database_errors_total{kind="commit_not_replicated"} on /metrics (0 before any)."""
+    text = client.get("/metrics").get_data(as_text=True)
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "petstore_database_errors_total"
+        and sample.labels.get("kind") == "commit_not_replicated"
+    )
+
+
 def create(client: FlaskClient, key: str, idempotency_key: str | None, name: str) -> Any:
     headers = {"Authorization": f"Bearer {key}"}
     if idempotency_key is not None:
@@ -137,6 +150,7 @@ def test_a_cancelled_wait_is_a_503_and_the_retry_no_201_until_replicated(
     (each row committed on this server alone); the same key is a 503 again while the standby is
     missing, and the recorded 201 once commits are replicated."""
     client = app.test_client()
+    counted_before = not_replicated(client)
     wait_for_standby_named(server, "nobody")
     response, took = create(client, key, "cancelled-wait-1", "Once")
     assert_error(response, 503, "service_unavailable")
@@ -152,6 +166,7 @@ def test_a_cancelled_wait_is_a_503_and_the_retry_no_201_until_replicated(
     assert_error(response, 503, "service_unavailable")  # the record is here, not on the standby
     assert took < ANSWERED_WITHIN, took
     assert count_named(server, "Once") == 1
+    assert not_replicated(client) == counted_before + 3
 
     wait_for_standby_named(server, "")
     response, _took = create(client, key, "cancelled-wait-1", "Once")
