@@ -3,15 +3,16 @@
 nginx (the shipped site) before two gunicorn instances (deploy/gunicorn.conf.py, 2 workers of 4
 threads each), limits in one Redis; the Patroni pair of deploy/patroni.yml (etcd, synchronous
 replication), each node with a PgBouncer of its own (deploy/pgbouncer.ini, transaction mode).
-DATABASE_URL names both PgBouncers with target_session_attrs=read-write: libpq asks each in turn
-whether its server accepts writes (SHOW transaction_read_only, answered by the server behind
-it), so the app follows the primary through a failover. A single PgBouncer cannot: it keeps
-sending to the host in its [databases] line, which a switchover makes a standby.
+DATABASE_URL names HAProxy (deploy/haproxy.cfg), which sends each connection to the PgBouncer of
+the node whose Patroni holds the leader lock (GET /primary), so the app follows the primary
+through a failover, and never writes to a node that merely accepts writes. A single PgBouncer
+cannot: it keeps sending to the host in its [databases] line, which a switchover makes a standby.
 
 Faults, in turn, one in the middle of each slice: kill -9 of the primary node (Patroni and
 postmaster; it is started again and rejoins as the synchronous standby), `patronictl
-switchover`, a Redis restart (a crash: its counters are lost), kill -9 of a gunicorn worker,
-and a restart of the primary's PgBouncer. Outside CI: run as root (PostgreSQL runs as
+switchover`, kill -9 of the primary's Patroni alone (its postmaster left accepting writes; that
+Patroni is started again and demotes it), a Redis restart (a crash: its counters are lost),
+kill -9 of a gunicorn worker, and a restart of the primary's PgBouncer. Outside CI: run as root (PostgreSQL runs as
 petstore.embedded's account), `make soak SOAK_ARGS="--minutes 4 --fault-every 0.75"` for a short one.
 """
 
@@ -39,10 +40,11 @@ from psycopg import conninfo
 
 from petstore import db
 from tests.support.checks import Answer
+from tests.support.haproxy import HAProxy
 from tests.support.load import HTTP_TIMEOUT, MixedLoad
 from tests.support.nginx import Deployment, deploy
 from tests.support.patroni import Cluster, PatroniNode
-from tests.support.servers import PgBouncer, poll_until
+from tests.support.servers import LOOPBACK, PgBouncer, poll_until
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONNECT_TIMEOUT = 2
@@ -102,6 +104,18 @@ class Stack:
         self.cluster.wait_for_sync_standby(old)
         return f"{old.node} killed, {other.node} promoted, {old.node} back as the sync standby"
 
+    def kill_primarys_patroni(self) -> str:
+        """kill -9 of the primary's Patroni alone, its postmaster left running; start it again once
+        the other leads (it demotes its PostgreSQL)."""
+        old = self.cluster.primary()
+        old.kill_patroni()
+        other = next(node for node in self.cluster.nodes if node is not old)
+        if not poll_until(other.is_primary, bool, REJOIN_WITHIN, 0.2):
+            raise RuntimeError(f"no failover to {other.node}:\n{other.log()}")
+        old.start()
+        self.cluster.wait_for_sync_standby(old)
+        return f"{old.node}'s Patroni killed, {other.node} promoted, {old.node} demoted and back"
+
     def switchover(self) -> str:
         """`patronictl switchover` to the synchronous standby."""
         old = self.cluster.primary()
@@ -139,6 +153,7 @@ class Stack:
         return [
             ("kill -9 of the primary node", self.kill_primary),
             ("patronictl switchover", self.switchover),
+            ("kill -9 of the primary's Patroni alone", self.kill_primarys_patroni),
             ("Redis restart", self.restart_redis),
             ("kill -9 of a gunicorn worker", self.kill_worker),
             ("PgBouncer restart (the primary's)", self.restart_primarys_bouncer),
@@ -148,19 +163,6 @@ class Stack:
 def node_url(node: PatroniNode) -> str:
     host, port = node.address
     return conninfo.make_conninfo("", host=host, port=str(port), dbname="petstore", user="postgres")
-
-
-def bouncers_url(bouncers: Sequence[PgBouncer]) -> str:
-    """libpq's multi-host URL over the PgBouncers: the one whose server accepts writes."""
-    return conninfo.make_conninfo(
-        "",
-        host=",".join("127.0.0.1" for _ in bouncers),
-        port=",".join(str(bouncer.port) for bouncer in bouncers),
-        dbname="petstore",
-        user="postgres",
-        target_session_attrs="read-write",
-        connect_timeout=str(CONNECT_TIMEOUT),
-    )
 
 
 @contextmanager
@@ -179,9 +181,18 @@ def whole_stack(workdir: Path) -> Iterator[Stack]:
             )
             for node in cluster.nodes
         }
+        # Writes follow the leader lock: HAProxy checks each node's Patroni and sends to its
+        # PgBouncer (docs/deploying.rst, "Writes follow the leader lock").
+        haproxy = stack.enter_context(
+            HAProxy(
+                workdir / "haproxy",
+                cluster.nodes,
+                {name: (LOOPBACK, bouncer.port) for name, bouncer in bouncers.items()},
+            )
+        )
         environ = {
             **ENVIRON,
-            "DATABASE_URL": bouncers_url(list(bouncers.values())),
+            "DATABASE_URL": haproxy.url(connect_timeout=CONNECT_TIMEOUT),
             "RATELIMIT_STORAGE_URI": cluster.redis.url(),
         }
         service = stack.enter_context(
@@ -244,8 +255,8 @@ def report(run: Run) -> str:
         f"{run.args.fault_every:g} minutes (in the middle of each slice), {run.args.clients} "
         "clients of mixed load (creates retried with their Idempotency-Key on 503, lists, gets) "
         "through nginx; two gunicorns of 2 workers x 4 threads, Redis, the Patroni pair with a "
-        "PgBouncer (transaction mode) each, DATABASE_URL naming both with "
-        "target_session_attrs=read-write.",
+        "PgBouncer (transaction mode) each, DATABASE_URL naming HAProxy, which sends to the "
+        "PgBouncer of the node holding Patroni's leader lock.",
         "",
         "## Faults",
         "",

@@ -38,8 +38,13 @@ def fingerprint(payload: Any) -> bytes:
     return hashlib.sha256(canonical.encode()).digest()
 
 
-def replay(stored: dict[str, Any], digest: bytes) -> Response:
-    """The recorded response again, or 409 Conflict when the key came with a different request."""
+def replay(conn: Connection, key: str, stored: dict[str, Any], digest: bytes) -> Response:
+    """The recorded response again, or 409 Conflict when the key came with a different request.
+
+    Only once the record is on the synchronous standby: the first answer may have been a 503
+    because its commit's wait for the standby was cancelled (db.durable_write), the record then
+    on this server alone. Writing it again waits for the standby (within durable_write's bound).
+    """
     if bytes(stored["fingerprint"]) != digest:
         raise APIError(
             409,
@@ -47,6 +52,7 @@ def replay(stored: dict[str, Any], digest: bytes) -> Response:
             "use a new key for a new request.",
             "idempotency_key_reused",
         )
+    idempotency_sql.rewrite_record(conn, key_id=g.caller["id"], idempotency_key=key)
     response = current_app.response_class(
         stored["body"], status=stored["status"], mimetype="application/json"
     )
@@ -72,7 +78,7 @@ def once(
     digest = fingerprint(payload)
     stored = idempotency_sql.find_response(conn, key_id=key_id, idempotency_key=key)
     if stored is not None:
-        return replay(stored, digest)
+        return replay(conn, key, stored, digest)
     response: Response | None = None
     with conn.transaction():
         response = work(conn)
@@ -92,4 +98,4 @@ def once(
         return response
     stored = idempotency_sql.find_response(conn, key_id=key_id, idempotency_key=key)
     assert stored is not None, "a claim lost to a committed record"
-    return replay(stored, digest)
+    return replay(conn, key, stored, digest)

@@ -38,6 +38,7 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from petstore.config import ConfigError
+from petstore.db import CommitNotReplicated
 
 EXTENSION = "petstore.metrics"
 
@@ -89,6 +90,7 @@ SAMPLE_SECONDS = 1.0
 
 # psycopg's "database unavailable" errors -> a fixed label, the most specific first.
 DATABASE_ERROR_KINDS: tuple[tuple[type[Exception], str], ...] = (
+    (CommitNotReplicated, "commit_not_replicated"),
     (psycopg_pool.PoolTimeout, "pool_timeout"),
     (psycopg.errors.QueryCanceled, "statement_timeout"),
     (psycopg.errors.ReadOnlySqlTransaction, "read_only"),

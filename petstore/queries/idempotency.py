@@ -67,6 +67,23 @@ def find_response(conn: Connection, *, key_id: int, idempotency_key: str) -> dic
     ).fetchone()
 
 
+def rewrite_record(conn: Connection, *, key_id: int, idempotency_key: str) -> None:
+    """Write the record again, unchanged: its commit waits until the synchronous standby has it.
+
+    A commit waits for the standby only when its transaction wrote something (PostgreSQL's
+    RecordTransactionCommit): a read, or a bare transaction id, would not wait.
+    """
+    conn.execute(
+        """
+        update idempotency_requests
+           set created_at = created_at
+         where key_id = %(key_id)s
+           and idempotency_key = %(idempotency_key)s
+        """,
+        {"key_id": key_id, "idempotency_key": idempotency_key},
+    )
+
+
 def delete_expired(conn: Connection) -> int:
     """Delete records older than 24 hours; return how many."""
     return conn.execute(

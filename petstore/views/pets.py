@@ -12,7 +12,7 @@ from werkzeug.http import http_date
 
 from petstore import idempotency, schemas
 from petstore.auth import needs_scope
-from petstore.db import Connection, get_conn, read
+from petstore.db import Connection, durable_write, get_conn, read
 from petstore.errors import APIError
 from petstore.openapi import (
     JSON,
@@ -169,9 +169,11 @@ def create_pet() -> Response:
             row["pet"], 201, headers={"Location": f"{API_PREFIX}/pets/{row['id']}"}
         )
 
-    if key is None:
-        return store(get_conn())
-    return idempotency.once(get_conn(), key, new_pet, store)
+    conn = get_conn()
+    with durable_write(conn):
+        if key is None:
+            return store(conn)
+        return idempotency.once(conn, key, new_pet, store)
 
 
 @OPERATIONS.describe("/pets/{petId}", "get")

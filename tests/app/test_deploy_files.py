@@ -147,3 +147,22 @@ def test_patroni_timings_follow_patronis_rule_and_writes_wait_for_the_standby() 
     assert dcs["synchronous_mode"] is True
     assert dcs["postgresql"]["use_pg_rewind"] is True
     assert "password:" not in text
+
+
+def test_haproxy_routes_writes_by_the_leader_lock_and_patroni_has_a_watchdog() -> None:
+    """deploy/haproxy.cfg sends writes only to the node whose Patroni answers GET /primary (the
+    leader lock) and cuts a node's sessions when it is marked down; deploy/patroni.yml arms
+    Patroni's watchdog (tests/support turns it off)."""
+    import yaml
+
+    text = (DEPLOY / "haproxy.cfg").read_text(encoding="utf-8")
+    primary = text[text.index("listen primary") :]
+    assert "option httpchk GET /primary\n" in primary
+    assert "http-check expect status 200\n" in primary
+    assert "on-marked-down shutdown-sessions" in primary
+    servers = [line for line in primary.splitlines() if line.strip().startswith("server ")]
+    assert len(servers) >= 2
+    assert all(line.endswith("check port 8008") for line in servers), servers
+    watchdog = yaml.safe_load((DEPLOY / "patroni.yml").read_text(encoding="utf-8"))["watchdog"]
+    assert watchdog["mode"] in ("automatic", "required")
+    assert watchdog["safety_margin"] >= 1

@@ -151,6 +151,9 @@ def test_idempotency_queries_commit_nothing(tx: db.Connection, conn: db.Connecti
         tx, idempotency_sql.find_response, tx, key_id=key["id"], idempotency_key="k-1"
     )
     assert found is not None and found["status"] == 201
+    still_open(tx, idempotency_sql.rewrite_record, tx, key_id=key["id"], idempotency_key="k-1")
+    rewritten = idempotency_sql.find_response(tx, key_id=key["id"], idempotency_key="k-1")
+    assert rewritten == found  # written again, unchanged
     assert still_open(tx, idempotency_sql.delete_expired, tx) == 0
 
     tx.rollback()

@@ -170,6 +170,8 @@ class PatroniNode(ServerProcess):
         # etcd advertises its loopback address: in a namespace, the one given here, as a proxy.
         etcd_hosts = f"{self.etcd_host}:{self.etcd.port}"
         settings["etcd3"] = {"hosts": etcd_hosts, "use_proxies": self.netns is not None}
+        # Never a watchdog here: one that fired would reset the machine running the tests.
+        settings["watchdog"] = {"mode": "off"}
         postgresql = settings["postgresql"]
         postgresql["listen"] = f"{self.host}:{self.port}"
         postgresql["connect_address"] = f"{self.host}:{self.port}"
@@ -234,6 +236,13 @@ class PatroniNode(ServerProcess):
                 os.kill(postmaster, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        self.process.wait(timeout=10)
+        self.process = None
+
+    def kill_patroni(self) -> None:
+        """kill -9 of Patroni alone (an OOM kill, a crash of its Python): its postmaster runs on."""
+        assert self.process is not None
+        self.process.kill()
         self.process.wait(timeout=10)
         self.process = None
 

@@ -32,6 +32,7 @@ INSTALLERS = {
     "patroni": ".ci/install-patroni",
     "patronictl": ".ci/install-patroni",
     "etcd": ".ci/install-patroni",
+    "haproxy": ".ci/install-haproxy",
 }
 
 

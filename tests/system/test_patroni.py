@@ -1,13 +1,16 @@
-"""PostgreSQL with Patroni (deploy/patroni.yml): the service follows the primary, and loses no 201.
+"""PostgreSQL with Patroni (deploy/patroni.yml): the service follows the leader, and loses no 201.
 
 etcd and two Patroni-managed PostgreSQL 15 nodes on loopback, synchronous replication; two
-gunicorn instances (the shipped config) behind nginx (the shipped site) with a multi-host
-DATABASE_URL (target_session_attrs=read-write). Under a mixed load (creates retried with their
-Idempotency-Key on 503, lists, gets): kill -9 of the primary's Patroni and postmaster, then, with
-the old primary back as the synchronous standby, a planned `patronictl switchover`. Each fault
-answers only 2xx and 503, writes are back within Patroni's ttl + 5 s, and every 201 is a row on
-the primary that follows. Then, with the nodes in network namespaces of their own, the primary
-cut off the network (both its links down). `pytest -s` prints the table.
+gunicorn instances (the shipped config) behind nginx (the shipped site) writing through HAProxy
+(deploy/haproxy.cfg: each connection to the node whose Patroni answers GET /primary, the one
+holding the leader lock) and reading on the standby by a multi-host URL. Under a mixed load
+(creates retried with their Idempotency-Key on 503, lists, gets): kill -9 of the primary's
+postmaster alone; of its Patroni and postmaster; of its Patroni alone (its PostgreSQL left
+accepting writes), then that Patroni started again; then, with the old primary back as the
+synchronous standby, a planned `patronictl switchover`. Each fault answers only 2xx and 503,
+writes are back within Patroni's ttl + 5 s, and every 201 is a row on the primary that follows.
+Then, with the nodes in network namespaces of their own, the primary cut off the network (both
+its links down). The fault table is in the run's summary (`pytest -s` also prints each row).
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
 import yaml
 
+from tests.support import reports
+from tests.support.haproxy import HAProxy
 from tests.support.hosts import Hosts, cut, ip
 from tests.support.load import MixedLoad
 from tests.support.nginx import Deployment, deploy
@@ -80,6 +85,21 @@ class Outcome:
         )
 
 
+# Every fault's row, for the run's summary (tests/support/reports.py).
+OUTCOMES: list[Outcome] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fault_table() -> Iterator[None]:
+    """The outcome table of every fault in the run's summary at the end, as test_faults' is."""
+    yield
+    if OUTCOMES:
+        reports.add(
+            "Patroni faults under load (tests/system/test_patroni.py)",
+            [Outcome.HEADER, *(outcome.row() for outcome in OUTCOMES)],
+        )
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     running = Cluster(tmp_path_factory.mktemp("patroni"), CONNECT_TIMEOUT)
@@ -90,16 +110,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         running.stop()
 
 
-def serve(cluster: Cluster) -> AbstractContextManager[Deployment]:
-    """Two instances behind nginx, on the cluster's multi-host URL."""
-    environ = {
-        **ENVIRON,
-        "DATABASE_URL": cluster.url(),
-        # Lists and gets on the standby while there is one (README, "Reads on standbys").
-        "PETSTORE_READ_DATABASE_URL": cluster.url(attrs="prefer-standby"),
-        "RATELIMIT_STORAGE_URI": cluster.redis.url(),
-    }
-    return deploy(environ, cluster.workdir / "web", instances=2, workers=2, threads=4)
+@contextmanager
+def serve(cluster: Cluster) -> Iterator[Deployment]:
+    """Two instances behind nginx, writing through HAProxy (deploy/haproxy.cfg) to the node that
+    holds the leader lock; reading on the standby by the multi-host URL."""
+    with HAProxy(cluster.workdir / "haproxy", cluster.nodes) as haproxy:
+        environ = {
+            **ENVIRON,
+            "DATABASE_URL": haproxy.url(connect_timeout=CONNECT_TIMEOUT),
+            # Lists and gets on the standby while there is one (README, "Reads on standbys").
+            "PETSTORE_READ_DATABASE_URL": cluster.url(attrs="prefer-standby"),
+            "RATELIMIT_STORAGE_URI": cluster.redis.url(),
+        }
+        with deploy(environ, cluster.workdir / "web", instances=2, workers=2, threads=4) as stack:
+            yield stack
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +133,14 @@ def service(cluster: Cluster) -> Iterator[Deployment]:
 
 
 def under_load(
-    cluster: Cluster, service: Deployment, label: str, fault: Callable[[], None]
+    cluster: Cluster,
+    service: Deployment,
+    label: str,
+    fault: Callable[[], None],
+    then: Callable[[], None] | None = None,
 ) -> tuple[Outcome, MixedLoad]:
-    """Run the mixed load, apply `fault`, wait (bounded) for writes to be back, then tally."""
+    """Run the mixed load, apply `fault`, wait (bounded) for writes to be back, run `then` (still
+    under load), then tally."""
     # A create is retried past the longest outage the test allows.
     load = MixedLoad(
         service.url, cluster.key, label, clients=CLIENTS, create_deadline=2 * WRITES_BACK_WITHIN
@@ -135,13 +164,22 @@ def under_load(
             ]
             return min(back) - fault_at if back and failed else (0.0 if back else None)
 
-        back = poll_until(writes_back_after, lambda value: value is not None, 3 * TTL, 0.2)
+        def settled() -> float | None:
+            """writes_back_after() once any request sent before the fault showed would have
+            answered (APP_BOUND): a fault that shows late (a silent host) is not missed."""
+            return writes_back_after() if time.monotonic() - fault_at >= APP_BOUND else None
+
+        poll_until(settled, lambda value: value is not None, 3 * TTL, 0.2)
+        if then is not None:
+            then()
         time.sleep(AFTER_RECOVERY)
-        back = writes_back_after()  # a create that failed after the first 201 moves it on
     finally:
         stop.set()
         runner.join(timeout=60)
     assert not runner.is_alive()
+    # Once every create has its answer (each is retried until a 201): a create that failed after
+    # the first 201 (a fault that takes a while to show) moves it on.
+    back = writes_back_after()
     statuses = [answer.status for answer in load.answers]
     ok = sum(1 for status in statuses if 200 <= status < 300)
     unavailable = statuses.count(503)
@@ -158,6 +196,7 @@ def under_load(
         rows=sum(rows.values()),
     )
     print(f"\n{Outcome.HEADER}\n{outcome.row()}")
+    OUTCOMES.append(outcome)
     return outcome, load
 
 
@@ -267,6 +306,35 @@ def test_kill_9_of_the_primary_loses_no_acknowledged_write(
     # The old primary comes back as the synchronous standby (pg_rewind), for what follows.
     old.start()
     cluster.wait_for_sync_standby(old)
+
+
+def test_kill_9_of_the_primary_patroni_alone_loses_no_acknowledged_write(
+    cluster: Cluster, service: Deployment
+) -> None:
+    """The primary's Patroni killed, its postmaster left running (an OOM kill of Patroni): the old
+    primary still accepts writes, but the standby takes the expired leader lock and writes follow
+    the lock, not "accepts writes". Then the old node's Patroni starts again and demotes it, still
+    under load: no 201 lost, no request past the bound, writes back within the ttl + 5 s."""
+    old = cluster.primary()
+    standby = cluster.standby()
+    postmaster = old.postmaster_pid()
+    assert postmaster is not None
+
+    def kill_patroni() -> None:
+        old.kill_patroni()
+        os.kill(postmaster, 0)  # the postmaster runs on, and still accepts writes
+
+    def rejoin() -> None:
+        assert poll_until(standby.is_primary, bool, 3 * TTL, 0.2), standby.log()
+        old.start()
+        cluster.wait_for_sync_standby(old)
+
+    outcome, load = under_load(
+        cluster, service, "kill -9 of the primary's Patroni alone", kill_patroni, rejoin
+    )
+    assert cluster.primary() is standby
+    assert_no_write_lost(outcome, load, cluster)
+    assert outcome.unavailable > 0, "the failover was not seen"
 
 
 def test_a_planned_switchover_loses_no_acknowledged_write(

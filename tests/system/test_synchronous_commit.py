@@ -1,0 +1,179 @@
+"""A commit whose wait for the synchronous standby was cancelled is a 503, never a 201 (db.durable_write).
+
+A PostgreSQL of the test's own whose synchronous_standby_names names a standby that never
+connects: every commit waits for it forever, which is what a primary whose standby was promoted
+behind its back does (its Patroni dead). The statement timeout does not bound that wait; the
+service cancels it after its own bound, PostgreSQL keeps the commit locally and says so in a
+WARNING, and the answer is a 503 with Retry-After. A retry with the same Idempotency-Key is a 503
+again while the standby lacks the record, and the recorded 201 once it is replicated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+from prometheus_client.parser import text_string_to_metric_families
+from psycopg.errors import Diagnostic
+
+from petstore import auth, config, create_app, db, devserver
+from tests.support.checks import assert_error
+from tests.support.servers import ThrowawayPostgres, poll_until
+
+APP_DBNAME = "petstore"
+STATEMENT_TIMEOUT_MS = 500
+RETRY_AFTER = 1
+SETTINGS: dict[str, Any] = {
+    "DB_POOL_SIZE": 2,
+    "DB_POOL_TIMEOUT": 1.0,
+    "DB_STATEMENT_TIMEOUT_MS": STATEMENT_TIMEOUT_MS,
+    "RETRY_AFTER": RETRY_AFTER,
+}
+# A create whose commit waits forever answers within its bound, plus slack for a loaded machine.
+ANSWERED_WITHIN = STATEMENT_TIMEOUT_MS / 1000 + db.COMMIT_WAIT_MARGIN + 1.5
+NEW_PET = {"name": "Waits", "categoryId": 3, "status": "available"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThrowawayPostgres]:
+    """A migrated database on a PostgreSQL of this module's own."""
+    with ThrowawayPostgres(tmp_path_factory.mktemp("sync") / "pgdata") as cluster:
+        devserver.ensure_database(cluster.url(), APP_DBNAME)
+        with db.connect(config.from_environ({"DATABASE_URL": cluster.url(APP_DBNAME)})) as conn:
+            db.upgrade(conn)
+        yield cluster
+
+
+def wait_for_standby_named(server: ThrowawayPostgres, names: str) -> None:
+    """Make `names` the server's synchronous_standby_names, and wait until new sessions see it."""
+    with psycopg.connect(server.url(), autocommit=True) as conn:
+        conn.execute(
+            psycopg.sql.SQL("alter system set synchronous_standby_names = {}").format(
+                psycopg.sql.Literal(names)
+            )
+        )
+        conn.execute("select pg_reload_conf()")
+
+    def seen() -> str:
+        with psycopg.connect(server.url(), autocommit=True) as conn:
+            row = conn.execute("show synchronous_standby_names").fetchone()
+        return str(row[0]) if row else ""
+
+    assert poll_until(seen, lambda value: value == names, 10.0, 0.1) == names
+
+
+@pytest.fixture
+def key(server: ThrowawayPostgres) -> str:
+    """A key issued while commits need no standby."""
+    wait_for_standby_named(server, "")
+    with db.connect(config.from_environ({"DATABASE_URL": server.url(APP_DBNAME)})) as conn:
+        secret, _row = auth.issue_key(conn, "enterprise", "sync", 10**6, 10**7)
+    return secret
+
+
+@pytest.fixture
+def app(server: ThrowawayPostgres, key: str) -> Iterator[Flask]:
+    built = create_app({"DATABASE_URL": server.url(APP_DBNAME), "TESTING": True, **SETTINGS})
+    yield built
+    built.extensions["petstore.pool"].close()
+    wait_for_standby_named(server, "")
+
+
+def count_named(server: ThrowawayPostgres, name: str) -> int:
+    with psycopg.connect(server.url(APP_DBNAME), autocommit=True) as conn:
+        row = conn.execute("select count(*) from pets where name = %s", [name]).fetchone()
+    return int(row[0]) if row else 0
+
+
+def not_replicated(client: FlaskClient) -> float:
+    """petstore_database_errors_total{kind="commit_not_replicated"} on /metrics (0 before any)."""
+    text = client.get("/metrics").get_data(as_text=True)
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "petstore_database_errors_total"
+        and sample.labels.get("kind") == "commit_not_replicated"
+    )
+
+
+def create(client: FlaskClient, key: str, idempotency_key: str | None, name: str) -> Any:
+    headers = {"Authorization": f"Bearer {key}"}
+    if idempotency_key is not None:
+        headers["Idempotency-Key"] = idempotency_key
+    began = time.monotonic()
+    response = client.post("/v1/pets", json={**NEW_PET, "name": name}, headers=headers)
+    return response, time.monotonic() - began
+
+
+def test_the_statement_timeout_does_not_bound_a_commits_wait(server: ThrowawayPostgres) -> None:
+    """The premise: with statement_timeout at 500 ms, a commit waits for the missing standby for
+    as long as nothing cancels it (here 3 s), and a cancel ends the wait with PostgreSQL's WARNING
+    that the commit is kept locally."""
+    wait_for_standby_named(server, "nobody")
+    try:
+        notices: list[tuple[bool, str]] = []
+
+        def keep(notice: Diagnostic) -> None:
+            notices.append((db.replication_wait_cancelled(notice), notice.message_detail or ""))
+
+        with psycopg.connect(
+            server.url(APP_DBNAME), autocommit=True, options="-c statement_timeout=500"
+        ) as conn:
+            conn.add_notice_handler(keep)
+            timer = threading.Timer(3.0, conn.cancel)
+            timer.start()
+            began = time.monotonic()
+            try:
+                conn.execute("insert into pets (name, category_id) values ('Premise', 3)")
+            finally:
+                timer.cancel()
+            waited = time.monotonic() - began
+        assert waited >= 2.9, waited
+        assert [cancelled for cancelled, _detail in notices] == [True], notices
+        assert "committed locally" in notices[0][1]
+        assert count_named(server, "Premise") == 1
+    finally:
+        wait_for_standby_named(server, "")
+
+
+def test_a_cancelled_wait_is_a_503_and_the_retry_no_201_until_replicated(
+    server: ThrowawayPostgres, app: Flask, key: str
+) -> None:
+    """Creates with and without an Idempotency-Key answer 503 with Retry-After within the bound
+    (each row committed on this server alone); the same key is a 503 again while the standby is
+    missing, and the recorded 201 once commits are replicated."""
+    client = app.test_client()
+    counted_before = not_replicated(client)
+    wait_for_standby_named(server, "nobody")
+    response, took = create(client, key, "cancelled-wait-1", "Once")
+    assert_error(response, 503, "service_unavailable")
+    assert response.headers["Retry-After"] == str(RETRY_AFTER)
+    assert took < ANSWERED_WITHIN, took
+    assert count_named(server, "Once") == 1  # committed here: exactly the row a failover loses
+
+    response, took = create(client, key, None, "Keyless")
+    assert_error(response, 503, "service_unavailable")
+    assert took < ANSWERED_WITHIN, took
+
+    response, took = create(client, key, "cancelled-wait-1", "Once")
+    assert_error(response, 503, "service_unavailable")  # the record is here, not on the standby
+    assert took < ANSWERED_WITHIN, took
+    assert count_named(server, "Once") == 1
+    assert not_replicated(client) == counted_before + 3
+
+    wait_for_standby_named(server, "")
+    response, _took = create(client, key, "cancelled-wait-1", "Once")
+    assert response.status_code == 201, response.get_data(as_text=True)
+    assert response.headers["Idempotent-Replayed"] == "true"
+    assert count_named(server, "Once") == 1
+
+    response, _took = create(client, key, None, "Replicated")
+    assert response.status_code == 201
+    assert "Idempotent-Replayed" not in response.headers
