@@ -190,7 +190,7 @@ def rate_limit_standing(caller: Mapping[str, Any]) -> dict[str, Any]:
     who, limits = budget_of(caller)
     try:
         stood = window_stats(limiter, prefix, who, limits)
-        strikes = limiter.limiter.storage.get(bans.strike_key(config, caller["id"]))
+        strikes = limiter.limiter.storage.get(bans.caller_strike_key(config, caller))
     except Exception:
         log.exception("cannot read the rate limit windows")
         raise APIError(
