@@ -13,7 +13,7 @@ from pathlib import Path
 
 import requests
 
-from petstore import auth, config, db
+from petstore import auth, db
 from tests.support.checks import http_getter, rate_limit_numbers
 from tests.support.programs import faketime_library
 from tests.support.servers import Gunicorn
