@@ -7,6 +7,7 @@ import re
 import select
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -82,12 +83,35 @@ def tcp_liveness(config: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
-class StatementTimeoutNotPinned(psycopg.OperationalError):
-    """Behind a transaction pooler, the server's statement_timeout is not the configured one."""
+@dataclass
+class TimeoutPin:
+    """What the pool's new connections found of the server's statement_timeout.
+
+    Behind a transaction pooler the timeout is the database's (pin_statement_timeout). A
+    database never pinned (`petstore db upgrade` skipped) is no reason to refuse traffic: its
+    statements run unbounded, which gives no wrong answer, while /healthz, the metric
+    petstore_db_statement_timeout_unpinned and one log line per new connection say so.
+    """
+
+    expected_ms: int
+    # The last new connection's value when it was not the expected one; None while pinned.
+    found_ms: int | None = None
+
+    def warning(self) -> str | None:
+        """What /healthz says while the last new connection found another timeout; else None."""
+        if self.found_ms is None:
+            return None
+        return (
+            f"statement_timeout is {self.found_ms} ms on the server, expected {self.expected_ms} "
+            "ms (PETSTORE_DB_STATEMENT_TIMEOUT_MS): statements run unbounded until `petstore db "
+            "upgrade` pins it on the database"
+        )
 
 
-def check_new_connection(config: Mapping[str, Any]) -> Callable[[Connection], None]:
-    """The pool's check of each new connection: find a pooler, and refuse an unbounded timeout.
+def check_new_connection(
+    config: Mapping[str, Any], pin: TimeoutPin | None = None
+) -> Callable[[Connection], None]:
+    """The pool's check of each new connection: find a pooler, and note an unpinned timeout in `pin`.
 
     A pooler is found whether it was declared or not (PETSTORE_DB_POOLER): PostgreSQL tells
     libpq its backend's pid on connecting, and a pooler (PgBouncer, in any pool mode) tells
@@ -96,11 +120,12 @@ def check_new_connection(config: Mapping[str, Any]) -> Callable[[Connection], No
     connection (transaction pooling). A direct connection keeps its prepared statements.
 
     Through a pooler the timeout cannot travel with the connection: it is the database's
-    default (`petstore db upgrade` pins it). A connection whose server has another value is
-    refused, so that requests get 503 and the log says why, rather than running unbounded.
+    default (`petstore db upgrade` pins it). A connection whose server has another value still
+    serves (see TimeoutPin); the log says it once for each such connection.
     """
     expected = int(config["DB_STATEMENT_TIMEOUT_MS"])
     declared = behind_transaction_pooler(config)
+    seen = TimeoutPin(expected) if pin is None else pin
 
     def check(conn: Connection) -> None:
         row = conn.execute(
@@ -119,15 +144,18 @@ def check_new_connection(config: Mapping[str, Any]) -> Callable[[Connection], No
                     "DATABASE_URL leads through a pooler: no prepared statements on its "
                     "connections (set PETSTORE_DB_POOLER=transaction to say so)"
                 )
-        if row["statement_timeout"] != expected:
-            message = (
-                f"statement_timeout behind the pooler is {row['statement_timeout']} ms, "
-                f"expected {expected} ms (PETSTORE_DB_STATEMENT_TIMEOUT_MS): run `petstore db "
-                "upgrade` with PETSTORE_DB_POOLER=transaction and PETSTORE_MIGRATION_DATABASE_URL, "
-                "then RECONNECT in the PgBouncer console"
-            )
-            log.error("%s", message)
-            raise StatementTimeoutNotPinned(message)
+        if row["statement_timeout"] == expected:
+            seen.found_ms = None
+            return
+        seen.found_ms = row["statement_timeout"]
+        log.warning(
+            "statement_timeout behind the pooler is %s ms, expected %s ms "
+            "(PETSTORE_DB_STATEMENT_TIMEOUT_MS): this connection's statements run unbounded; run "
+            "`petstore db upgrade` with PETSTORE_MIGRATION_DATABASE_URL, then RECONNECT in the "
+            "PgBouncer console",
+            row["statement_timeout"],
+            expected,
+        )
 
     return check
 
@@ -151,10 +179,11 @@ def open_pool(
     config: Mapping[str, Any],
     name: str = "petstore",
     url: str | None = None,
+    pin: TimeoutPin | None = None,
     **options: Any,
 ) -> ConnectionPool[Connection]:
     """The process's pool of `url` (default DATABASE_URL), sized and bounded by the settings,
-    opened without waiting.
+    opened without waiting; what its new connections find of the statement timeout goes to `pin`.
 
     Not waiting lets the app start while PostgreSQL is down: requests get 503 until it is back.
     """
@@ -165,7 +194,7 @@ def open_pool(
         max_size=config["DB_POOL_SIZE"],
         timeout=config["DB_POOL_TIMEOUT"],
         reconnect_timeout=config["DB_RECONNECT_TIMEOUT"],
-        configure=check_new_connection(config),
+        configure=check_new_connection(config, pin),
         name=name,
         open=False,
         **options,
@@ -177,16 +206,24 @@ def open_pool(
 def init_app(app: Flask) -> None:
     """Create the pools (one per process, and one of the standbys when set) and release
     connections after each request."""
-    app.extensions["petstore.pool"] = open_pool(app.config)
+    pin = app.extensions["petstore.timeout_pin"] = TimeoutPin(app.config["DB_STATEMENT_TIMEOUT_MS"])
+    app.extensions["petstore.pool"] = open_pool(app.config, pin=pin)
     if app.config.get("READ_DATABASE_URL"):
         app.extensions["petstore.read_pool"] = open_pool(
             app.config,
             "petstore-read",
             app.config["READ_DATABASE_URL"],
+            pin,
             max_lifetime=READ_CONNECTION_LIFETIME,
         )
         app.extensions["petstore.read_pool_rests_until"] = 0.0
     app.teardown_appcontext(_release_conn)
+
+
+def get_timeout_pin() -> TimeoutPin | None:
+    """What the current app's new connections found of the statement timeout (None: no pools)."""
+    pin: TimeoutPin | None = current_app.extensions.get("petstore.timeout_pin")
+    return pin
 
 
 def get_pool() -> ConnectionPool[Connection]:
