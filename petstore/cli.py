@@ -91,17 +91,9 @@ def db_upgrade() -> None:
         "DB_POOLER": "none",
     }
     with database(direct) as conn:
-        applied = db.upgrade(conn)
         # Pinned whatever PETSTORE_DB_POOLER says, so that a database which gains a transaction
         # pooler later keeps its statement timeout (a direct connection sets its own anyway).
-        try:
-            db.pin_statement_timeout(conn, settings["DB_STATEMENT_TIMEOUT_MS"])
-        except psycopg.errors.InsufficientPrivilege as exc:
-            click.echo(
-                "warning: the statement timeout is not pinned on the database (the migration "
-                f"user must own it): {exc}".rstrip(),
-                err=True,
-            )
+        applied = db.upgrade(conn, settings["DB_STATEMENT_TIMEOUT_MS"])
     click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
 
 

@@ -418,8 +418,10 @@ def migrations() -> list[tuple[str, str]]:
     return [(name, files.joinpath(name).read_text(encoding="utf-8")) for name in found]
 
 
-def upgrade(conn: Connection) -> list[str]:
+def upgrade(conn: Connection, statement_timeout_ms: int | None = None) -> list[str]:
     """Apply the migrations not yet applied, each in its own transaction; return their names.
+    With `statement_timeout_ms`, then pin it on the database (pin_statement_timeout), under the
+    same lock: two concurrent ALTER DATABASE of one row fail ("tuple concurrently updated").
 
     It holds a session-level advisory lock: `conn` must be a direct connection to PostgreSQL,
     never one through a transaction pooler (PETSTORE_MIGRATION_DATABASE_URL).
@@ -449,6 +451,12 @@ def upgrade(conn: Connection) -> list[str]:
                 conn.execute("insert into schema_migrations (name) values (%s)", [name])
             log.info("applied migration %s", name)
             applied_now.append(name)
+        if statement_timeout_ms is not None:
+            try:
+                pin_statement_timeout(conn, statement_timeout_ms)
+            except psycopg.errors.InsufficientPrivilege as exc:
+                # Migrated all the same: a missing pin is reported by the service, not an outage.
+                log.warning("the statement timeout is not pinned on the database: %s", exc)
     finally:
         conn.execute("select pg_advisory_unlock(%s)", [MIGRATION_LOCK])
     return applied_now

@@ -176,9 +176,10 @@ def restart_pooler(pooled: Pooled) -> None:
 
 
 def test_a_database_never_pinned_still_serves(pooled: Pooled) -> None:
-    """Issue 27 §2: through the pooler, a database whose statement timeout was never pinned serves
-    (200, not 503), while /healthz, the metric and one log line per connection say so; a plain
-    `petstore db upgrade`, without PETSTORE_DB_POOLER, pins it."""
+    """Issue 27 §2, as a new user meets it: PgBouncer with the common recipe in front of a database
+    whose statement timeout was never pinned, nothing else set. It serves (200, not 503) while
+    /healthz, the metric and one log line per connection say so; a plain `petstore db upgrade`,
+    without PETSTORE_DB_POOLER, pins it."""
     key = issue(pooled)
     with pooled.direct() as conn:
         dbname = conn.execute("select current_database() as name").fetchone()
@@ -188,43 +189,45 @@ def test_a_database_never_pinned_still_serves(pooled: Pooled) -> None:
                 sql.Identifier(dbname["name"])
             )
         )
-    restart_pooler(pooled)
+    recipe = {"ignore_startup_parameters": "options,extra_float_digits"}
+    environ = {"PETSTORE_DB_POOLER": "", "PETSTORE_MIGRATION_DATABASE_URL": ""}
     try:
-        with pooled.gunicorn("never-pinned") as app:
-            answer = call(app.url, "GET", "/v1/pets", headers=bearer(key), timeout=HTTP_TIMEOUT)
-            health = call(app.url, "GET", "/healthz")
-            scraped = call(app.url, "GET", "/metrics").body
-            log_text = app.log_path.read_text(encoding="utf-8")
-        assert answer.status == 200, (answer.status, answer.body)
-        assert health.status == 200, health
-        assert health.body["status"] == "ok"
-        assert health.body["warnings"] == [
-            f"statement_timeout is 0 ms on the server, expected {STATEMENT_TIMEOUT_MS} ms "
-            "(PETSTORE_DB_STATEMENT_TIMEOUT_MS): statements run unbounded until `petstore db "
-            "upgrade` pins it on the database"
-        ]
-        assert "petstore_db_statement_timeout_unpinned 1.0" in scraped, scraped
-        warned = log_text.count("statement_timeout behind the pooler is 0 ms")
-        # Once per new connection: 2 workers, each a pool of PETSTORE_DB_POOL_SIZE (4).
-        assert 1 <= warned <= 2 * 4, log_text
+        with PgBouncer(pooled.workdir / "recipe", pooled.direct_url, settings=recipe) as bouncer:
+            environ["DATABASE_URL"] = bouncer.url()
+            with pooled.gunicorn("never-pinned", **environ) as app:
+                answer = call(app.url, "GET", "/v1/pets", headers=bearer(key), timeout=HTTP_TIMEOUT)
+                health = call(app.url, "GET", "/healthz")
+                scraped = call(app.url, "GET", "/metrics").body
+                log_text = app.log_path.read_text(encoding="utf-8")
+            assert answer.status == 200, (answer.status, answer.body)
+            assert health.status == 200, health
+            assert health.body["status"] == "ok"
+            assert health.body["warnings"] == [
+                f"statement_timeout is 0 ms on the server, expected {STATEMENT_TIMEOUT_MS} ms "
+                "(PETSTORE_DB_STATEMENT_TIMEOUT_MS): statements run unbounded until `petstore db "
+                "upgrade` pins it on the database"
+            ]
+            assert "petstore_db_statement_timeout_unpinned 1.0" in scraped, scraped
+            warned = log_text.count("statement_timeout behind the pooler is 0 ms")
+            # Once per new connection: 2 workers, each a pool of PETSTORE_DB_POOL_SIZE (4).
+            assert 1 <= warned <= 2 * 4, log_text
 
-        # As a new user would: migrated with the direct URL only, no pooler setting.
-        done = upgrade(
-            {
-                "DATABASE_URL": pooled.direct_url,
-                "PETSTORE_DB_STATEMENT_TIMEOUT_MS": str(STATEMENT_TIMEOUT_MS),
-            }
-        )
-        assert done.returncode == 0, done.stderr
-        with pooled.direct() as conn:
-            assert pinned_timeouts(conn) == [f"statement_timeout={STATEMENT_TIMEOUT_MS}"]
-        restart_pooler(pooled)
-        with pooled.gunicorn("pinned-again") as app:
-            assert call(app.url, "GET", "/healthz").body == {"status": "ok"}
-            assert (
-                "petstore_db_statement_timeout_unpinned 0.0"
-                in call(app.url, "GET", "/metrics").body
+            # As a new user would: migrated with the direct URL only, no pooler setting.
+            done = upgrade(
+                {
+                    "DATABASE_URL": pooled.direct_url,
+                    "PETSTORE_DB_STATEMENT_TIMEOUT_MS": str(STATEMENT_TIMEOUT_MS),
+                }
             )
+            assert done.returncode == 0, done.stderr
+            with pooled.direct() as conn:
+                assert pinned_timeouts(conn) == [f"statement_timeout={STATEMENT_TIMEOUT_MS}"]
+            bouncer.stop()  # its server connections started before the pin
+            bouncer.start()
+            with pooled.gunicorn("pinned-again", **environ) as app:
+                assert call(app.url, "GET", "/healthz").body == {"status": "ok"}
+                scraped = call(app.url, "GET", "/metrics").body
+                assert "petstore_db_statement_timeout_unpinned 0.0" in scraped, scraped
     finally:
         done = upgrade(pooled.environ)
         assert done.returncode == 0, done.stderr
