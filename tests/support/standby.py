@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import psycopg
+import pytest
 from psycopg import conninfo
 
 from tests.support.patroni import PG_BIN, as_account, give_to_account
@@ -78,7 +79,13 @@ def run_as_account(command: list[str]) -> None:
 
 
 def make_primary(workdir: Path) -> PostgresServer:
-    """A new cluster (trust authentication, replication allowed on loopback), not started."""
+    """A new cluster (trust authentication, replication allowed on loopback), not started;
+    skips the calling test when Debian's PostgreSQL 15 is not installed."""
+    if not (PG_BIN / "pg_basebackup").exists():
+        pytest.skip(
+            f"{PG_BIN} has no pg_basebackup: run `bash .ci/install-patroni` (it installs "
+            "postgresql-15; it uses sudo unless you are root)"
+        )
     datadir = workdir / "primary"
     give_to_account(workdir)
     give_to_account(datadir)
