@@ -91,9 +91,9 @@ def db_upgrade() -> None:
         "DB_POOLER": "none",
     }
     with database(direct) as conn:
-        applied = db.upgrade(conn)
-        if pooled:
-            db.pin_statement_timeout(conn, settings["DB_STATEMENT_TIMEOUT_MS"])
+        # Pinned whatever PETSTORE_DB_POOLER says, so that a database which gains a transaction
+        # pooler later keeps its statement timeout (a direct connection sets its own anyway).
+        applied = db.upgrade(conn, settings["DB_STATEMENT_TIMEOUT_MS"])
     click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
 
 
@@ -316,24 +316,31 @@ def bans_list() -> None:
 @bans_group.command("lift")
 @click.argument("key_text", metavar="KEY_ID")
 def bans_lift(key_text: str) -> None:
-    """End the key's active ban now, and clear its strikes: it starts again from a full threshold.
+    """End the key's active ban now, and forgive its strikes: it starts again from a full threshold.
 
-    A key with strikes but no active ban has its strikes forgiven (exit status 0).
+    The key's row is stamped (strikes_forgiven_at): strikes counted before the stamp no longer
+    count in any worker, whatever the limiter storage, memory:// included. A key with strikes but
+    no active ban has them forgiven (exit status 0).
     """
     key_id = parse_key_id(key_text)
     settings = load_settings()
-    with database(settings) as conn:
-        if keys.find_key(conn, key_id) is None:
+    with database(settings) as conn, conn.transaction():
+        stamps = bans.forgive_strikes(conn, key_id)
+        if stamps is None:
             raise NoSuchKey(f"no key with id {key_id}: nothing lifted")
         lifted = bans.lift_bans(conn, key_id)
-    try:
-        strikes = clear_strikes(settings, key_id)
-    except Exception as exc:
-        done = f"lifted the ban of key {key_id}" if lifted else f"key {key_id} has no active ban"
-        raise click.ClickException(
-            f"{done}, but its strikes could not be cleared in the rate limit storage "
-            f"({type(exc).__name__}: {exc}); they expire with their window"
-        ) from None
+    in_memory = settings["RATELIMIT_STORAGE_URI"].startswith("memory://")
+    strikes = None
+    if not in_memory:
+        try:
+            # Forgiven by the stamp already; cleared too, so that nothing reads them again.
+            strikes = clear_strikes(settings, key_id, stamps["before"])
+        except Exception as exc:
+            click.echo(
+                f"the strikes of key {key_id} are forgiven but could not be cleared in the rate "
+                f"limit storage ({type(exc).__name__}: {exc}); they expire with their window",
+                err=True,
+            )
     if lifted:
         click.echo(f"lifted the ban of key {key_id} and cleared its strikes")
     elif strikes:
@@ -341,11 +348,10 @@ def bans_lift(key_text: str) -> None:
             f"key {key_id} has no active ban; cleared its {strikes} "
             f"strike{'s' if strikes != 1 else ''}: it starts again from a full threshold"
         )
-    elif settings["RATELIMIT_STORAGE_URI"].startswith("memory://"):
-        raise NothingToDo(
-            f"key {key_id} has no active ban; its strikes, if any, are counted in the service's "
-            "own memory (RATELIMIT_STORAGE_URI=memory://), out of this command's reach, and "
-            "expire with their window: nothing to do"
+    elif strikes is None:
+        click.echo(
+            f"key {key_id} has no active ban; its strikes, if any, no longer count in any "
+            "worker: it starts again from a full threshold"
         )
     else:
         raise NothingToDo(f"key {key_id} has no active ban and no strikes: nothing to do")

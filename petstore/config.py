@@ -180,6 +180,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_MIGRATION_DATABASE_URL": ("MIGRATION_DATABASE_URL", _str, None),
     # Unset: every statement on DATABASE_URL. Set: listPets and getPet read there (standbys).
     "PETSTORE_READ_DATABASE_URL": ("READ_DATABASE_URL", _database_url, None),
+    "PETSTORE_READ_MAX_LAG_SECONDS": ("READ_MAX_LAG_SECONDS", _float(0), 1.0),
     "PETSTORE_DB_RECONNECT_TIMEOUT": ("DB_RECONNECT_TIMEOUT", _float(0.1), 5.0),
     "PETSTORE_RETRY_AFTER": ("RETRY_AFTER", _int(1), 2),
     "PETSTORE_READY_TIMEOUT": ("READY_TIMEOUT", _float(0.05), 1.0),

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import re
 import select
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -32,8 +34,13 @@ MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
 # The longest a read waits for a connection to a standby before it asks the primary instead.
 READ_POOL_TIMEOUT = 0.2
-# After a standby failed a read, this worker reads from the primary for this long (seconds).
-READ_POOL_REST = 5.0
+# After a standby failed a read, this worker reads from the primary for this long (seconds):
+# while the standbys are down, one read per worker per READ_POOL_REST asks them again.
+READ_POOL_REST = 1.0
+# How long the read pool retries a lost connection in the background (seconds) before it leaves
+# new connections to the reads that want one: its backoff (1 s, 2 s, 4 s, ...) would otherwise
+# keep the reads off a standby for seconds after it is back.
+READ_RECONNECT_TIMEOUT = 1.0
 # A read connection is replaced after this long (seconds), so that one that fell back to the
 # primary (prefer-standby, while the standbys were down) returns to a standby once one is back.
 READ_CONNECTION_LIFETIME = 60.0
@@ -42,6 +49,19 @@ READ_CONNECTION_LIFETIME = 60.0
 COMMIT_WAIT_MARGIN = 1.0
 # How often the commit watch looks for writes past their bound (seconds).
 COMMIT_WATCH_INTERVAL = 0.2
+# A worker asks its standby how far behind it is at most once per this many seconds.
+LAG_CHECK_SECONDS = 1.0
+# How far behind a standby is (seconds): 0 when it has replayed all the WAL it received (caught
+# up; also when it streams nothing yet, just started), else the time since the primary committed
+# the last transaction it replayed (unknown, null, when it replayed none since it started). On a
+# primary (prefer-standby fell back to one): 0.
+STANDBY_LAG = """
+select case when not pg_is_in_recovery()
+                 or coalesce(pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn(), true)
+            then 0
+            else extract(epoch from now() - pg_last_xact_replay_timestamp())::float8
+       end as seconds
+"""
 
 
 def behind_transaction_pooler(config: Mapping[str, Any]) -> bool:
@@ -91,12 +111,35 @@ def tcp_liveness(config: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
-class StatementTimeoutNotPinned(psycopg.OperationalError):
-    """Behind a transaction pooler, the server's statement_timeout is not the configured one."""
+@dataclass
+class TimeoutPin:
+    """What the pool's new connections found of the server's statement_timeout.
+
+    Behind a transaction pooler the timeout is the database's (pin_statement_timeout). A
+    database never pinned (`petstore db upgrade` skipped) is no reason to refuse traffic: its
+    statements run unbounded, which gives no wrong answer, while /healthz, the metric
+    petstore_db_statement_timeout_unpinned and one log line per new connection say so.
+    """
+
+    expected_ms: int
+    # The last new connection's value when it was not the expected one; None while pinned.
+    found_ms: int | None = None
+
+    def warning(self) -> str | None:
+        """What /healthz says while the last new connection found another timeout; else None."""
+        if self.found_ms is None:
+            return None
+        return (
+            f"statement_timeout is {self.found_ms} ms on the server, expected {self.expected_ms} "
+            "ms (PETSTORE_DB_STATEMENT_TIMEOUT_MS): statements run unbounded until `petstore db "
+            "upgrade` pins it on the database"
+        )
 
 
-def check_new_connection(config: Mapping[str, Any]) -> Callable[[Connection], None]:
-    """The pool's check of each new connection: find a pooler, and refuse an unbounded timeout.
+def check_new_connection(
+    config: Mapping[str, Any], pin: TimeoutPin | None = None
+) -> Callable[[Connection], None]:
+    """The pool's check of each new connection: find a pooler, and note an unpinned timeout in `pin`.
 
     A pooler is found whether it was declared or not (PETSTORE_DB_POOLER): PostgreSQL tells
     libpq its backend's pid on connecting, and a pooler (PgBouncer, in any pool mode) tells
@@ -105,11 +148,12 @@ def check_new_connection(config: Mapping[str, Any]) -> Callable[[Connection], No
     connection (transaction pooling). A direct connection keeps its prepared statements.
 
     Through a pooler the timeout cannot travel with the connection: it is the database's
-    default (`petstore db upgrade` pins it). A connection whose server has another value is
-    refused, so that requests get 503 and the log says why, rather than running unbounded.
+    default (`petstore db upgrade` pins it). A connection whose server has another value still
+    serves (see TimeoutPin); the log says it once for each such connection.
     """
     expected = int(config["DB_STATEMENT_TIMEOUT_MS"])
     declared = behind_transaction_pooler(config)
+    seen = TimeoutPin(expected) if pin is None else pin
 
     def check(conn: Connection) -> None:
         row = conn.execute(
@@ -128,15 +172,18 @@ def check_new_connection(config: Mapping[str, Any]) -> Callable[[Connection], No
                     "DATABASE_URL leads through a pooler: no prepared statements on its "
                     "connections (set PETSTORE_DB_POOLER=transaction to say so)"
                 )
-        if row["statement_timeout"] != expected:
-            message = (
-                f"statement_timeout behind the pooler is {row['statement_timeout']} ms, "
-                f"expected {expected} ms (PETSTORE_DB_STATEMENT_TIMEOUT_MS): run `petstore db "
-                "upgrade` with PETSTORE_DB_POOLER=transaction and PETSTORE_MIGRATION_DATABASE_URL, "
-                "then RECONNECT in the PgBouncer console"
-            )
-            log.error("%s", message)
-            raise StatementTimeoutNotPinned(message)
+        if row["statement_timeout"] == expected:
+            seen.found_ms = None
+            return
+        seen.found_ms = row["statement_timeout"]
+        log.warning(
+            "statement_timeout behind the pooler is %s ms, expected %s ms "
+            "(PETSTORE_DB_STATEMENT_TIMEOUT_MS): this connection's statements run unbounded; run "
+            "`petstore db upgrade` with PETSTORE_MIGRATION_DATABASE_URL, then RECONNECT in the "
+            "PgBouncer console",
+            row["statement_timeout"],
+            expected,
+        )
 
     return check
 
@@ -160,10 +207,11 @@ def open_pool(
     config: Mapping[str, Any],
     name: str = "petstore",
     url: str | None = None,
+    pin: TimeoutPin | None = None,
     **options: Any,
 ) -> ConnectionPool[Connection]:
     """The process's pool of `url` (default DATABASE_URL), sized and bounded by the settings,
-    opened without waiting.
+    opened without waiting; what its new connections find of the statement timeout goes to `pin`.
 
     Not waiting lets the app start while PostgreSQL is down: requests get 503 until it is back.
     """
@@ -173,11 +221,10 @@ def open_pool(
         min_size=config["DB_POOL_SIZE"],
         max_size=config["DB_POOL_SIZE"],
         timeout=config["DB_POOL_TIMEOUT"],
-        reconnect_timeout=config["DB_RECONNECT_TIMEOUT"],
-        configure=check_new_connection(config),
+        configure=check_new_connection(config, pin),
         name=name,
         open=False,
-        **options,
+        **{"reconnect_timeout": config["DB_RECONNECT_TIMEOUT"], **options},
     )
     pool.open(wait=False)
     return pool
@@ -186,17 +233,28 @@ def open_pool(
 def init_app(app: Flask) -> None:
     """Create the pools (one per process, and one of the standbys when set) and release
     connections after each request."""
-    app.extensions["petstore.pool"] = open_pool(app.config)
+    pin = app.extensions["petstore.timeout_pin"] = TimeoutPin(app.config["DB_STATEMENT_TIMEOUT_MS"])
+    app.extensions["petstore.pool"] = open_pool(app.config, pin=pin)
     if app.config.get("READ_DATABASE_URL"):
-        app.extensions["petstore.read_pool"] = open_pool(
+        read_pool = app.extensions["petstore.read_pool"] = open_pool(
             app.config,
             "petstore-read",
             app.config["READ_DATABASE_URL"],
+            pin,
             max_lifetime=READ_CONNECTION_LIFETIME,
+            reconnect_timeout=READ_RECONNECT_TIMEOUT,
         )
-        app.extensions["petstore.read_pool_rests_until"] = 0.0
+        app.extensions["petstore.standbys"] = Standbys(
+            read_pool, app.config["READ_MAX_LAG_SECONDS"]
+        )
     app.extensions["petstore.commit_watch"] = CommitWatch()
     app.teardown_appcontext(_release_conn)
+
+
+def get_timeout_pin() -> TimeoutPin | None:
+    """What the current app's new connections found of the statement timeout (None: no pools)."""
+    pin: TimeoutPin | None = current_app.extensions.get("petstore.timeout_pin")
+    return pin
 
 
 def get_pool() -> ConnectionPool[Connection]:
@@ -231,27 +289,91 @@ def get_conn() -> Connection:
     return conn
 
 
-def read(query: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """`query(conn, ...)` on a standby (PETSTORE_READ_DATABASE_URL), else on the primary.
+class Standbys:
+    """One worker's reads on the standbys (PETSTORE_READ_DATABASE_URL): their pool, when to leave
+    them alone, and whether they were too far behind at the last check."""
 
-    Only for statements that write nothing and may lag by the replication delay. A standby that
-    cannot be reached within READ_POOL_TIMEOUT, or fails the statement, is not an error: the
-    primary answers, and this worker leaves the standbys alone for READ_POOL_REST seconds.
-    """
-    extensions = current_app.extensions
-    pool: ConnectionPool[Connection] | None = extensions.get("petstore.read_pool")
-    if pool is None or time.monotonic() < extensions["petstore.read_pool_rests_until"]:
-        return query(get_conn(), *args, **kwargs)
-    try:
-        with pool.connection(timeout=READ_POOL_TIMEOUT) as conn:
-            return query(conn, *args, **kwargs)
-    except psycopg.errors.QueryCanceled:
-        raise  # the statement timeout: the primary would take as long
-    except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+    def __init__(self, pool: ConnectionPool[Connection], max_lag: float) -> None:
+        self.pool = pool
+        self.max_lag = max_lag
+        self.rests_until = 0.0  # monotonic
+        self.lag_checked_at = -math.inf  # monotonic
+        self.behind = False
+        # Reads the standbys answered (the primary answers the others).
+        self.answered = 0
+
+    def resting(self) -> bool:
+        """Whether this worker leaves the standbys alone for now (one failed a moment ago)."""
+        return time.monotonic() < self.rests_until
+
+    def rest(self, exc: BaseException) -> None:
+        """A standby failed: the primary answers this worker's reads for READ_POOL_REST seconds."""
         log.warning(
             "standby unavailable, reading from the primary: %s: %s", type(exc).__name__, exc
         )
-        extensions["petstore.read_pool_rests_until"] = time.monotonic() + READ_POOL_REST
+        self.rests_until = time.monotonic() + READ_POOL_REST
+
+    def take(self) -> Connection:
+        """A connection to a standby, within READ_POOL_TIMEOUT.
+
+        A standby that restarted cut every idle connection alike: at the first one found cut,
+        all the broken ones are dropped (the pool tests its idle connections, each cut one fails
+        at once) and new ones are made, rather than one broken connection per read.
+        """
+        conn = self.pool.getconn(timeout=READ_POOL_TIMEOUT)
+        if cut_while_idle(conn):
+            self.pool.putconn(conn)
+            self.pool.check()
+            conn = self.pool.getconn(timeout=READ_POOL_TIMEOUT)
+        return conn
+
+    def too_far_behind(self, conn: Connection) -> bool:
+        """Whether the standby was more than max_lag seconds behind when last asked (at most once
+        per LAG_CHECK_SECONDS per worker, on the read's own connection)."""
+        now = time.monotonic()
+        if now - self.lag_checked_at >= LAG_CHECK_SECONDS:
+            self.lag_checked_at = now
+            row = conn.execute(STANDBY_LAG).fetchone()
+            lag = None if row is None else row["seconds"]
+            behind = lag is None or lag > self.max_lag
+            if behind != self.behind:
+                log.info(
+                    "standby %s: %s s behind, reads %s",
+                    "behind" if behind else "caught up",
+                    "unknown" if lag is None else f"{lag:.1f}",
+                    "go to the primary" if behind else "return to it",
+                )
+            self.behind = behind
+        return self.behind
+
+
+def read(query: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`query(conn, ...)` on a standby (PETSTORE_READ_DATABASE_URL), else on the primary.
+
+    Only for statements that write nothing and may lag by the replication delay, up to
+    READ_MAX_LAG_SECONDS plus LAG_CHECK_SECONDS: a standby further behind is not read from. A
+    standby that cannot be reached within READ_POOL_TIMEOUT, or fails the statement, is not an
+    error: the primary answers, and this worker leaves the standbys alone for READ_POOL_REST.
+    """
+    standbys: Standbys | None = current_app.extensions.get("petstore.standbys")
+    if standbys is None or standbys.resting():
+        return query(get_conn(), *args, **kwargs)
+    try:
+        conn = standbys.take()
+    except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+        standbys.rest(exc)
+        return query(get_conn(), *args, **kwargs)
+    try:
+        if not standbys.too_far_behind(conn):
+            answer = query(conn, *args, **kwargs)
+            standbys.answered += 1
+            return answer
+    except psycopg.errors.QueryCanceled:
+        raise  # the statement timeout: the primary would take as long
+    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+        standbys.rest(exc)
+    finally:
+        standbys.pool.putconn(conn)
     return query(get_conn(), *args, **kwargs)
 
 
@@ -408,8 +530,10 @@ def migrations() -> list[tuple[str, str]]:
     return [(name, files.joinpath(name).read_text(encoding="utf-8")) for name in found]
 
 
-def upgrade(conn: Connection) -> list[str]:
+def upgrade(conn: Connection, statement_timeout_ms: int | None = None) -> list[str]:
     """Apply the migrations not yet applied, each in its own transaction; return their names.
+    With `statement_timeout_ms`, then pin it on the database (pin_statement_timeout), under the
+    same lock: two concurrent ALTER DATABASE of one row fail ("tuple concurrently updated").
 
     It holds a session-level advisory lock: `conn` must be a direct connection to PostgreSQL,
     never one through a transaction pooler (PETSTORE_MIGRATION_DATABASE_URL).
@@ -439,6 +563,12 @@ def upgrade(conn: Connection) -> list[str]:
                 conn.execute("insert into schema_migrations (name) values (%s)", [name])
             log.info("applied migration %s", name)
             applied_now.append(name)
+        if statement_timeout_ms is not None:
+            try:
+                pin_statement_timeout(conn, statement_timeout_ms)
+            except psycopg.errors.InsufficientPrivilege as exc:
+                # Migrated all the same: a missing pin is reported by the service, not an outage.
+                log.warning("the statement timeout is not pinned on the database: %s", exc)
     finally:
         conn.execute("select pg_advisory_unlock(%s)", [MIGRATION_LOCK])
     return applied_now

@@ -159,6 +159,7 @@ class Metrics:
     pool_size: Gauge
     pool_in_use: Gauge
     pool_waiting: Gauge
+    statement_timeout_unpinned: Gauge
     build_info: Gauge
     registry: CollectorRegistry
     # Flask endpoint -> the operation its requests are counted by (any other: UNKNOWN).
@@ -200,6 +201,7 @@ class Metrics:
             self.pool_size,
             self.pool_in_use,
             self.pool_waiting,
+            self.statement_timeout_unpinned,
             self.build_info,
         )
 
@@ -276,6 +278,13 @@ def build(operation_ids: Mapping[str, str]) -> Metrics:
         pool_waiting=Gauge(
             "petstore_db_pool_requests_waiting",
             "Requests waiting for a PostgreSQL connection right now.",
+            registry=None,
+            multiprocess_mode="livesum",
+        ),
+        statement_timeout_unpinned=Gauge(
+            "petstore_db_statement_timeout_unpinned",
+            "Workers whose last new PostgreSQL connection found a statement_timeout other than "
+            "PETSTORE_DB_STATEMENT_TIMEOUT_MS (behind a pooler: run `petstore db upgrade`).",
             registry=None,
             multiprocess_mode="livesum",
         ),
@@ -357,7 +366,8 @@ def ratelimit_storage_failed() -> None:
 
 
 def sample(app: Flask) -> None:
-    """Write this worker's tally and gauges: its pool's size, connections in use, waiting requests, fallback."""
+    """Write this worker's tally and gauges: its pool's size, connections in use, waiting requests,
+    an unpinned statement timeout, the limiter's fallback."""
     metrics: Metrics = app.extensions[EXTENSION]
     metrics.flush()
     pool = app.extensions.get("petstore.pool")
@@ -366,6 +376,8 @@ def sample(app: Flask) -> None:
         metrics.pool_size.set(stats["pool_size"])
         metrics.pool_in_use.set(stats["pool_size"] - stats["pool_available"])
         metrics.pool_waiting.set(stats.get("requests_waiting", 0))
+    pin = app.extensions.get("petstore.timeout_pin")
+    metrics.statement_timeout_unpinned.set(0 if pin is None or pin.found_ms is None else 1)
     limiter = app.extensions.get("petstore.limiter")
     metrics.ratelimit_fallback.set(1 if limiter is not None and limiter.storage_dead else 0)
 

@@ -101,3 +101,23 @@ def lift_bans(conn: Connection, key_id: int) -> int:
         {"key_id": key_id},
     )
     return cur.rowcount
+
+
+def forgive_strikes(conn: Connection, key_id: int) -> dict[str, Any] | None:
+    """Stamp the key's strikes as forgiven now: (before, after), its previous stamp and the new
+    one; None for no such key."""
+    return conn.execute(
+        """
+        update api_keys k
+           set strikes_forgiven_at = now()
+          from (select id,
+                       strikes_forgiven_at
+                  from api_keys
+                 where id = %(key_id)s
+                   for update) old
+         where k.id = old.id
+        returning old.strikes_forgiven_at as before,
+                  k.strikes_forgiven_at as after
+        """,
+        {"key_id": key_id},
+    ).fetchone()

@@ -12,7 +12,7 @@ from petstore.db import Connection
 def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None:
     """The unrevoked key with this secret's hash: id, plan, per-key numbers, scopes (separated by
     spaces), when it expires, when the grace of the previous secret it was found by ends, and
-    the end of any active ban (each None for never).
+    the end of any active ban (each None for never), and when its strikes were last forgiven.
 
     The hash is the key's current secret, or its previous one within the grace of a rotation.
     An expired key is returned too, so that its 401 can say so. Instants rather than whether
@@ -28,6 +28,7 @@ def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None
                k.per_day,
                array_to_string(k.scopes, ' ') as scopes,
                k.expires_at,
+               k.strikes_forgiven_at,
                case when k.key_hash = %(key_hash)s then null
                     else k.previous_valid_until
                end as grace_until,

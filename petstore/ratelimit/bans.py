@@ -6,6 +6,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any, cast
 
 from flask import current_app, g
@@ -27,9 +28,22 @@ def seconds_until(instant: float) -> int:
     return max(1, math.ceil(instant - time.time()))
 
 
-def strike_key(config: Mapping[str, Any], key_id: int) -> str:
-    """The limiter storage key of a key's strike counter."""
-    return f"{config['RATELIMIT_STRATEGY']}/strikes/{key_id}"
+def strike_key(config: Mapping[str, Any], key_id: int, forgiven_at: datetime | None) -> str:
+    """The limiter storage key of a key's strike counter since its strikes were last forgiven.
+
+    `petstore bans lift` stamps the key's row (strikes_forgiven_at), and a new stamp names a new
+    counter: the strikes counted before it are left behind to expire with their window. So the
+    lift reaches every worker's memory:// as it reaches Redis, through the key's row.
+    """
+    counter = f"{config['RATELIMIT_STRATEGY']}/strikes/{key_id}"
+    if forgiven_at is None:
+        return counter
+    return f"{counter}/{round(forgiven_at.timestamp() * 1_000_000)}"
+
+
+def caller_strike_key(config: Mapping[str, Any], caller: Mapping[str, Any]) -> str:
+    """strike_key of the caller's row."""
+    return strike_key(config, caller["id"], caller["strikes_forgiven_at"])
 
 
 def refuse_banned(caller: Mapping[str, Any] | None) -> None:
@@ -82,14 +96,18 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
     strike cannot be counted or the ban stored (the sentence is empty then).
     """
     config = current_app.config
-    # The key cache's row may predate a ban another worker stored: the database says, before a
-    # strike (a refused request's query, paid by the caller that keeps calling, not by everyone).
+    # The key cache's row may predate a ban another worker stored, or a lift that forgave the
+    # key's strikes: the database says, before a strike (a refused request's query, paid by the
+    # caller that keeps calling, not by everyone).
     try:
-        refuse_banned(auth.reread_caller())
+        fresh = auth.reread_caller()
+        refuse_banned(fresh)
+        if fresh is not None:
+            caller = fresh
     except DATABASE_UNAVAILABLE:
         log.warning("cannot read key %s again before its strike", caller["id"])
     storage = limiter.limiter.storage
-    strikes_at = strike_key(config, caller["id"])
+    strikes_at = caller_strike_key(config, caller)
     try:
         strikes = storage.incr(strikes_at, spent.get_expiry())
         if strikes < config["BAN_THRESHOLD"]:
@@ -122,13 +140,14 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
     )
 
 
-def clear_strikes(settings: dict[str, Any], key_id: int) -> int:
-    """Forget the key's strikes in the limiter storage of `settings` (the service's own); how many."""
+def clear_strikes(settings: dict[str, Any], key_id: int, forgiven_at: datetime | None) -> int:
+    """Forget the key's strikes counted since `forgiven_at` in the limiter storage of `settings`
+    (the service's own); how many. memory:// is the service's own memory: nothing here."""
     storage = storage_from_string(
         storages.storage_uri(settings["RATELIMIT_STORAGE_URI"]),
         **storages.storage_options(settings),
     )
-    strikes_at = strike_key(settings, key_id)
+    strikes_at = strike_key(settings, key_id, forgiven_at)
     strikes = int(cast(int, storage.get(strikes_at)))  # a sync storage: never a coroutine
     storage.clear(strikes_at)
     return strikes

@@ -14,6 +14,7 @@ from typing import Any
 
 from flask import Response, current_app, g, request
 from limits import RateLimitItem
+from limits.strategies import FixedWindowRateLimiter
 
 from petstore.errors import APIError
 from petstore.ratelimit import bans
@@ -142,15 +143,16 @@ def window_stats(
 ) -> list[tuple[RateLimitItem, int, int]]:
     """(limit, remaining, reset) of each limit as it stands, read from the limiter, counting nothing.
 
-    A window nothing was counted in yet ends a whole window from now. Raises what the storage
-    raises (the fallback's numbers while it is down, as for counting).
+    A window nothing was counted in yet ends a whole window from now: for the fixed window, now
+    on the storage's clock (its get_expiry of a missing window is its now, Redis's for Redis).
+    Raises what the storage raises (the fallback's numbers while it is down, as for counting).
     """
-    now = time.time()
+    fixed = isinstance(limiter.limiter, FixedWindowRateLimiter)
     stood = []
     for limit in limits:
         reset, remaining = limiter.limiter.get_window_stats(limit, prefix, who, SCOPE)
         if remaining == limit.amount:
-            reset = now + limit.get_expiry()
+            reset = (reset if fixed else time.time()) + limit.get_expiry()
         stood.append((limit, remaining, math.ceil(reset)))
     return stood
 
@@ -190,7 +192,7 @@ def rate_limit_standing(caller: Mapping[str, Any]) -> dict[str, Any]:
     who, limits = budget_of(caller)
     try:
         stood = window_stats(limiter, prefix, who, limits)
-        strikes = limiter.limiter.storage.get(bans.strike_key(config, caller["id"]))
+        strikes = limiter.limiter.storage.get(bans.caller_strike_key(config, caller))
     except Exception:
         log.exception("cannot read the rate limit windows")
         raise APIError(

@@ -30,7 +30,9 @@ from limits.storage import (
 
 # For each window (KEYS[i], started with ARGV[2i] seconds when new, allowing ARGV[2i+1]): INCRBY
 # ARGV[1], set the expiry of a new window, note the count and the window's time to live; stop
-# after the first window over its limit.
+# after the first window over its limit. Last, Redis's clock (TIME: seconds, microseconds), after
+# the writes (a script may not write after reading the clock on Redis before 5), so that every
+# host names the same end of a window whatever its own clock says.
 INCR_WINDOWS = b"""
 local amount = tonumber(ARGV[1])
 local counted = {}
@@ -45,8 +47,23 @@ for i, key in ipairs(KEYS) do
         break
     end
 end
+local now = redis.call("time")
+counted[#counted + 1] = now[1]
+counted[#counted + 1] = now[2]
 return counted
 """
+
+# The window's time to live and Redis's clock, for the end of a window read without counting.
+WINDOW_END = b"""
+local now = redis.call("time")
+return {redis.call("pttl", KEYS[1]), now[1], now[2]}
+"""
+
+
+def storage_clock(seconds: bytes | str | int, microseconds: bytes | str | int) -> float:
+    """Unix seconds of Redis's TIME answer."""
+    return int(seconds) + int(microseconds) / 1_000_000
+
 
 # A window to count in: (storage key, seconds it lasts once started, requests it allows).
 StorageWindow = tuple[str, int, int]
@@ -80,7 +97,8 @@ def storage_options(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class CountingRedisStorage(RedisStorage):
-    """redis:// whose increment also returns the window's expiry, in the same round trip."""
+    """redis:// whose increment also returns the window's end, in the same round trip, on Redis's
+    clock: a window's X-RateLimit-Reset is the same second through every host."""
 
     STORAGE_SCHEME = ["petstore+redis", "petstore+rediss"]
 
@@ -90,6 +108,7 @@ class CountingRedisStorage(RedisStorage):
     def initialize_storage(self, uri: str) -> None:
         super().initialize_storage(uri)
         self.lua_incr_windows = self.get_connection().register_script(INCR_WINDOWS)
+        self.lua_window_end = self.get_connection().register_script(WINDOW_END)
 
     def incr_windows(
         self, windows: Sequence[StorageWindow], amount: int = 1
@@ -109,12 +128,17 @@ class CountingRedisStorage(RedisStorage):
         for key, expiry, limit in windows:
             keys.append(self.prefixed_key(key))
             args += (expiry, limit)
-        counted = self.lua_incr_windows(keys, args)
-        now = time.time()
+        *counted, seconds, microseconds = self.lua_incr_windows(keys, args)
+        now = storage_clock(seconds, microseconds)
         return [
             (int(counted[i]), now + max(int(counted[i + 1]), 0) / 1000)
             for i in range(0, len(counted), 2)
         ]
+
+    def get_expiry(self, key: str) -> float:
+        """The end of the key's window on Redis's clock (now, if it has none), in one round trip."""
+        ttl, seconds, microseconds = self.lua_window_end([self.prefixed_key(key)])
+        return storage_clock(seconds, microseconds) + max(int(ttl), 0) / 1000
 
     def incr(self, key: str, expiry: int, amount: int = 1) -> int:
         return self.incr_with_expiry(key, expiry, amount)[0]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 from collections.abc import Callable
 
 from flask import Blueprint, Response, current_app
 
 from petstore.auth import public
-from petstore.db import get_pool
+from petstore.db import get_pool, get_timeout_pin
 from petstore.errors import error_response
 
 bp = Blueprint("health", __name__)
@@ -19,8 +20,15 @@ log = logging.getLogger(__name__)
 @bp.get("/healthz")
 @public
 def healthz() -> Response:
-    """The process is alive and answering."""
-    return current_app.response_class('{"status":"ok"}', mimetype="application/json")
+    """The process is alive and answering; `warnings` names what it serves without (an unpinned
+    statement timeout), for the operator, never a reason to take it out of service."""
+    pin = get_timeout_pin()
+    warning = None if pin is None else pin.warning()
+    if warning is None:
+        return current_app.response_class('{"status":"ok"}', mimetype="application/json")
+    return current_app.response_class(
+        json.dumps({"status": "ok", "warnings": [warning]}), mimetype="application/json"
+    )
 
 
 def postgres_answers() -> None:

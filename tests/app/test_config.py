@@ -87,6 +87,7 @@ TABLE: dict[str, tuple[Any, str, Any, str | None]] = {
     "PETSTORE_DB_POOLER": ("none", "transaction", "transaction", "session"),
     "PETSTORE_MIGRATION_DATABASE_URL": (None, "postgresql://o@db/p", "postgresql://o@db/p", None),
     "PETSTORE_DB_RECONNECT_TIMEOUT": (5.0, "30", 30.0, "0.01"),
+    "PETSTORE_READ_MAX_LAG_SECONDS": (1.0, "5", 5.0, "-1"),
     "PETSTORE_RETRY_AFTER": (2, "5", 5, "1.5"),
     "PETSTORE_READY_TIMEOUT": (1.0, "0.2", 0.2, "inf"),
     "PETSTORE_MAX_BODY_BYTES": (16384, "1048576", 1048576, "63"),

@@ -130,6 +130,11 @@ def test_ban_queries_commit_nothing(tx: db.Connection, conn: db.Connection) -> N
     assert ban is not None and ban["seconds"] == 60
     assert [row["id"] for row in still_open(tx, ban_sql.list_bans, tx)] == [ban["id"]]
     assert still_open(tx, ban_sql.lift_bans, tx, key["id"]) == 1
+    first = still_open(tx, ban_sql.forgive_strikes, tx, key["id"])
+    assert first is not None and first["before"] is None and first["after"] is not None
+    again = still_open(tx, ban_sql.forgive_strikes, tx, key["id"])
+    assert again is not None and again["before"] == first["after"]
+    assert still_open(tx, ban_sql.forgive_strikes, tx, key["id"] + 1000) is None
 
     tx.rollback()
     assert ban_sql.list_bans(conn) == []

@@ -208,6 +208,35 @@ def test_bans_lift_forgives_the_strikes_of_a_key_without_a_ban(
     assert again.stderr == "Error: key 1 has no active ban and no strikes: nothing to do\n"
 
 
+def test_bans_lift_forgives_strikes_counted_in_the_services_memory(
+    make_app: Callable[..., Flask], issue_key: Callable[..., str], database_url: str
+) -> None:
+    """memory://: two strikes in the service, `bans lift` from the CLI, and the next refusal
+    counts the first strike of a full threshold again (issue 27 §5)."""
+    client = make_app(RATELIMIT_STORAGE_URI="memory://", BAN_THRESHOLD=3).test_client()
+    key = issue_key("enterprise", per_minute=1, per_day=500)
+    for _ in range(3):
+        client.get("/v1/pets", headers=bearer(key))  # 1 answer, 2 refusals: 2 strikes, no ban
+    assert standing(client, key)["strikes"]["count"] == 2
+    environ = {"DATABASE_URL": database_url, "RATELIMIT_STORAGE_URI": "memory://"}
+
+    lifted = CliRunner().invoke(main, ["bans", "lift", "1"], env=environ)
+
+    assert lifted.exit_code == 0, lifted.output
+    assert lifted.output == (
+        "key 1 has no active ban; its strikes, if any, no longer count in any worker: it starts "
+        "again from a full threshold\n"
+    )
+    # The refusal's strike reads the key's row again: the lift counts at once, not after the cache.
+    refused = client.get("/v1/pets", headers=bearer(key))
+    assert_error(refused, 429, "rate_limited")
+    assert "2 more refused requests in this window ban this key" in refused.get_json()["message"]
+    assert standing(client, key)["strikes"]["count"] == 1
+    assert_error(client.get("/v1/pets", headers=bearer(key)), 429, "rate_limited")
+    assert standing(client, key)["strikes"]["count"] == 2
+    assert standing(client, key)["ban"] is None
+
+
 def test_bans_lift_clears_the_strikes(
     make_app: Callable[..., Flask],
     issue_key: Callable[..., str],

@@ -66,9 +66,29 @@ def test_a_direct_connection_keeps_its_prepared_statements(database_url: str) ->
         db.check_new_connection(settings)(conn)
         assert conn.prepare_threshold == 5
         # Direct, the timeout travels with the connection (options): the check finds it.
-        other = {**settings, "DB_STATEMENT_TIMEOUT_MS": 60_000}
-        with pytest.raises(db.StatementTimeoutNotPinned, match="is 5000 ms, expected 60000 ms"):
-            db.check_new_connection(other)(conn)
+        pin = db.TimeoutPin(5000)
+        db.check_new_connection(settings, pin)(conn)
+        assert pin.found_ms is None and pin.warning() is None
+
+
+def test_another_timeout_is_noted_and_served(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server whose statement_timeout is not the configured one: noted and logged, not refused."""
+    settings = config.from_environ({"DATABASE_URL": database_url})
+    other = {**settings, "DB_STATEMENT_TIMEOUT_MS": 60_000}
+    pin = db.TimeoutPin(60_000)
+    with db.connect(settings) as conn:
+        db.check_new_connection(other, pin)(conn)
+        assert conn.execute("select 1 as one").fetchone() == {"one": 1}
+    assert pin.found_ms == 5000
+    assert "is 5000 ms on the server, expected 60000 ms" in (pin.warning() or "")
+    assert [r.getMessage() for r in caplog.records if "statement_timeout" in r.getMessage()] == [
+        "statement_timeout behind the pooler is 5000 ms, expected 60000 ms "
+        "(PETSTORE_DB_STATEMENT_TIMEOUT_MS): this connection's statements run unbounded; run "
+        "`petstore db upgrade` with PETSTORE_MIGRATION_DATABASE_URL, then RECONNECT in the "
+        "PgBouncer console"
+    ]
 
 
 def test_an_unknown_pooler_is_refused() -> None:

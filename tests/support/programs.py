@@ -8,6 +8,7 @@ naming it and the script that installs it (tests/conftest.py fails every skip un
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 
@@ -33,7 +34,10 @@ INSTALLERS = {
     "patronictl": ".ci/install-patroni",
     "etcd": ".ci/install-patroni",
     "haproxy": ".ci/install-haproxy",
+    "libfaketime.so.1": ".ci/install-faketime",
 }
+# Where Debian installs libfaketime (a library to preload, not a program).
+FAKETIME_LIBRARIES = "/usr/lib/*/faketime/libfaketime.so.1"
 
 
 def find(name: str) -> str | None:
@@ -54,3 +58,11 @@ def program(name: str) -> str:
     if found is None:
         pytest.skip(missing_line(name))
     return found
+
+
+def faketime_library() -> str:
+    """The path of Debian's libfaketime.so.1; skips the calling test when it is not installed."""
+    found = sorted(glob.glob(FAKETIME_LIBRARIES))
+    if not found:
+        pytest.skip(missing_line("libfaketime.so.1"))
+    return found[0]

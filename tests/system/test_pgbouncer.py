@@ -21,6 +21,7 @@ from pathlib import Path
 import psycopg
 import pytest
 import redis
+from psycopg import sql
 
 from petstore import auth, config, db
 from tests.conftest import TEST_REDIS_URL
@@ -154,13 +155,83 @@ def test_a_slow_request_gets_503_not_500(pooled: Pooled) -> None:
         assert call(url, "GET", "/v1/pets", headers=bearer(key)).status == 200
 
 
-def test_a_timeout_other_than_the_pinned_one_is_refused(pooled: Pooled) -> None:
-    """A service whose PETSTORE_DB_STATEMENT_TIMEOUT_MS the database does not have answers 503, never unbounded."""
+def pinned_timeouts(conn: db.Connection) -> list[str]:
+    """The statement_timeout settings pinned on the connection's database (ALTER DATABASE ... SET)."""
+    rows = conn.execute(
+        """
+        select unnest(s.setconfig) as setting
+          from pg_db_role_setting s
+          join pg_database d on d.oid = s.setdatabase
+         where d.datname = current_database()
+           and s.setrole = 0
+        """
+    ).fetchall()
+    return [row["setting"] for row in rows if row["setting"].startswith("statement_timeout=")]
+
+
+def restart_pooler(pooled: Pooled) -> None:
+    """A new PgBouncer process: its server connections start with the database's settings of now."""
+    pooled.pgbouncer.stop()
+    pooled.pgbouncer.start()
+
+
+def test_a_database_never_pinned_still_serves(pooled: Pooled) -> None:
+    """Issue 27 §2, as a new user meets it: PgBouncer with the common recipe in front of a database
+    whose statement timeout was never pinned, nothing else set. It serves (200, not 503) while
+    /healthz, the metric and one log line per connection say so; a plain `petstore db upgrade`,
+    without PETSTORE_DB_POOLER, pins it."""
     key = issue(pooled)
-    with pooled.gunicorn("unpinned", PETSTORE_DB_STATEMENT_TIMEOUT_MS="60000") as app:
-        answer = call(app.url, "GET", "/v1/pets", headers=bearer(key), timeout=HTTP_TIMEOUT)
-        assert answer.status == 503, (answer.status, answer.body)
-        assert "statement_timeout behind the pooler is" in app.log_path.read_text()
+    with pooled.direct() as conn:
+        dbname = conn.execute("select current_database() as name").fetchone()
+        assert dbname is not None
+        conn.execute(
+            sql.SQL("alter database {} reset statement_timeout").format(
+                sql.Identifier(dbname["name"])
+            )
+        )
+    recipe = {"ignore_startup_parameters": "options,extra_float_digits"}
+    environ = {"PETSTORE_DB_POOLER": "", "PETSTORE_MIGRATION_DATABASE_URL": ""}
+    try:
+        with PgBouncer(pooled.workdir / "recipe", pooled.direct_url, settings=recipe) as bouncer:
+            environ["DATABASE_URL"] = bouncer.url()
+            with pooled.gunicorn("never-pinned", **environ) as app:
+                answer = call(app.url, "GET", "/v1/pets", headers=bearer(key), timeout=HTTP_TIMEOUT)
+                health = call(app.url, "GET", "/healthz")
+                scraped = call(app.url, "GET", "/metrics").body
+                log_text = app.log_path.read_text(encoding="utf-8")
+            assert answer.status == 200, (answer.status, answer.body)
+            assert health.status == 200, health
+            assert health.body["status"] == "ok"
+            assert health.body["warnings"] == [
+                f"statement_timeout is 0 ms on the server, expected {STATEMENT_TIMEOUT_MS} ms "
+                "(PETSTORE_DB_STATEMENT_TIMEOUT_MS): statements run unbounded until `petstore db "
+                "upgrade` pins it on the database"
+            ]
+            assert "petstore_db_statement_timeout_unpinned 1.0" in scraped, scraped
+            warned = log_text.count("statement_timeout behind the pooler is 0 ms")
+            # Once per new connection: 2 workers, each a pool of PETSTORE_DB_POOL_SIZE (4).
+            assert 1 <= warned <= 2 * 4, log_text
+
+            # As a new user would: migrated with the direct URL only, no pooler setting.
+            done = upgrade(
+                {
+                    "DATABASE_URL": pooled.direct_url,
+                    "PETSTORE_DB_STATEMENT_TIMEOUT_MS": str(STATEMENT_TIMEOUT_MS),
+                }
+            )
+            assert done.returncode == 0, done.stderr
+            with pooled.direct() as conn:
+                assert pinned_timeouts(conn) == [f"statement_timeout={STATEMENT_TIMEOUT_MS}"]
+            bouncer.stop()  # its server connections started before the pin
+            bouncer.start()
+            with pooled.gunicorn("pinned-again", **environ) as app:
+                assert call(app.url, "GET", "/healthz").body == {"status": "ok"}
+                scraped = call(app.url, "GET", "/metrics").body
+                assert "petstore_db_statement_timeout_unpinned 0.0" in scraped, scraped
+    finally:
+        done = upgrade(pooled.environ)
+        assert done.returncode == 0, done.stderr
+        restart_pooler(pooled)
 
 
 def test_mixed_concurrent_load_through_the_pooler(pooled: Pooled) -> None:
@@ -281,8 +352,9 @@ def test_an_undeclared_pooler_never_gives_a_wrong_answer(pooled: Pooled) -> None
     assert max(rows.values()) == 1
 
 
-def test_an_undeclared_pooler_with_another_timeout_is_refused(pooled: Pooled) -> None:
-    """Undeclared, and the service's statement timeout is not the database's: 503, never unbounded."""
+def test_an_undeclared_pooler_with_another_timeout_still_serves(pooled: Pooled) -> None:
+    """Undeclared, and the service's statement timeout is not the database's: served (no wrong
+    answer comes of it), with /healthz naming both timeouts and the log saying it."""
     workdir = pooled.workdir / "undeclared-unpinned"
     settings = {"ignore_startup_parameters": "options"}
     with PgBouncer(workdir, pooled.direct_url, settings=settings) as lenient:
@@ -294,6 +366,10 @@ def test_an_undeclared_pooler_with_another_timeout_is_refused(pooled: Pooled) ->
         }
         with pooled.gunicorn("undeclared-unpinned", **environ) as app:
             answer = call(app.url, "GET", "/v1/pets", headers=bearer(key), timeout=HTTP_TIMEOUT)
-            assert answer.status == 503, (answer.status, answer.body)
-            assert answer.is_json_error and answer.body["code"] == "service_unavailable"
+            health = call(app.url, "GET", "/healthz")
+            assert answer.status == 200, (answer.status, answer.body)
+            assert health.status == 200
+            assert health.body["warnings"][0].startswith(
+                f"statement_timeout is {STATEMENT_TIMEOUT_MS} ms on the server, expected 60000 ms"
+            )
             assert "statement_timeout behind the pooler is" in app.log_path.read_text()
