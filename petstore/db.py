@@ -290,8 +290,8 @@ def connect(config: dict[str, Any]) -> Connection:
 
 
 def migrations() -> list[tuple[str, str]]:
-    """(name, SQL) of every numbered migration shipped in the package, in order."""
-    files = resources.files("petstore.sql")
+    """(name, SQL) of every numbered migration shipped in the package (sql/), in order."""
+    files = resources.files("petstore").joinpath("sql")
     found = sorted(f.name for f in files.iterdir() if MIGRATION_NAME.match(f.name))
     return [(name, files.joinpath(name).read_text(encoding="utf-8")) for name in found]
 
