@@ -1,13 +1,11 @@
-"""The connection pool, the request's connection, and the migrations runner."""
+"""The connection pool and the request's connection (the migrations runner: petstore.migrations)."""
 
 from __future__ import annotations
 
 import logging
-import re
 import select
 import time
 from collections.abc import Callable, Mapping
-from importlib import resources
 from typing import Any, TypeVar
 
 import psycopg
@@ -20,11 +18,6 @@ log = logging.getLogger(__name__)
 
 Connection = psycopg.Connection[DictRow]
 T = TypeVar("T")
-
-# pg_advisory_lock key held while migrating, so that two `petstore db upgrade` wait for each other.
-MIGRATION_LOCK = 0x7065_7473_746F_7265 >> 1  # "petstore", kept inside bigint
-
-MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
 # The longest a read waits for a connection to a standby before it asks the primary instead.
 READ_POOL_TIMEOUT = 0.2
@@ -287,46 +280,3 @@ def discard_read_only_connections() -> None:
 def connect(config: dict[str, Any]) -> Connection:
     """A connection outside any request, for the CLI and tests."""
     return psycopg.connect(config["DATABASE_URL"], **connection_kwargs(config))
-
-
-def migrations() -> list[tuple[str, str]]:
-    """(name, SQL) of every numbered migration shipped in the package (sql/), in order."""
-    files = resources.files("petstore").joinpath("sql")
-    found = sorted(f.name for f in files.iterdir() if MIGRATION_NAME.match(f.name))
-    return [(name, files.joinpath(name).read_text(encoding="utf-8")) for name in found]
-
-
-def upgrade(conn: Connection) -> list[str]:
-    """Apply the migrations not yet applied, each in its own transaction; return their names.
-
-    It holds a session-level advisory lock: `conn` must be a direct connection to PostgreSQL,
-    never one through a transaction pooler (PETSTORE_MIGRATION_DATABASE_URL).
-    """
-    applied_now = []
-    # Waiting for another upgrade, or building an index on a big table, may take longer than
-    # the service's statement timeout: migrations have none.
-    conn.execute("set statement_timeout = 0")
-    conn.execute("select pg_advisory_lock(%s)", [MIGRATION_LOCK])
-    try:
-        with conn.transaction():
-            conn.execute(
-                """
-                create table if not exists schema_migrations (
-                    name       text primary key,
-                    applied_at timestamptz not null default now()
-                )
-                """
-            )
-        rows = conn.execute("select name from schema_migrations").fetchall()
-        done = {row["name"] for row in rows}
-        for name, text in migrations():
-            if name in done:
-                continue
-            with conn.transaction():
-                conn.execute(text.encode())
-                conn.execute("insert into schema_migrations (name) values (%s)", [name])
-            log.info("applied migration %s", name)
-            applied_now.append(name)
-    finally:
-        conn.execute("select pg_advisory_unlock(%s)", [MIGRATION_LOCK])
-    return applied_now
