@@ -20,6 +20,7 @@ from tests.support.databases import empty_database
 Cli = Callable[..., Result]
 
 ADD_COLUMN = "alter table pets add column note text;\n"
+LONG_REPORT = "select count(*) from pets"
 CONCURRENT_INDEX = (
     "-- petstore: no transaction\n"
     "-- the index of the tests, built without blocking writes\n"
@@ -79,7 +80,7 @@ def test_a_migration_gives_up_in_one_line_when_its_lock_is_held_and_the_rerun_fi
                 time.sleep(0.01)
 
     with psycopg.connect(migrated_url, application_name="long-report") as holder:
-        holder.execute("select count(*) from pets")  # its transaction stays open: a lock on pets
+        holder.execute(LONG_REPORT)  # its transaction stays open: a lock on pets
         reader = threading.Thread(target=query_pets)
         reader.start()
         try:
@@ -97,8 +98,8 @@ def test_a_migration_gives_up_in_one_line_when_its_lock_is_held_and_the_rerun_fi
     expected = (
         rf"Error: migration 9001_pet_note\.sql gave up after 3 attempts of 300 ms "
         rf"\(PETSTORE_MIGRATION_LOCK_TIMEOUT_MS\): it waited for AccessExclusiveLock on relation "
-        rf"pets, held by pid {holder_pid} \(long-report, idle in transaction since .*: select "
-        rf"count\(\*\) from pets\); nothing of it is applied: run `petstore db upgrade` again "
+        rf"pets, held by pid {holder_pid} \(long-report, idle in transaction since .*: "
+        rf"{re.escape(LONG_REPORT)}\); nothing of it is applied: run `petstore db upgrade` again "
         rf"once that ends"
     )
     assert re.fullmatch(expected, lines[0]), lines[0]
@@ -165,7 +166,9 @@ def test_migrations_have_their_own_statement_timeout(
     assert "canceling statement due to statement timeout" in slow.stderr
     assert not has_column(migrated_url)
 
-    done = cli("db", "upgrade", "--directory", str(directory), PETSTORE_DB_STATEMENT_TIMEOUT_MS="50")
+    done = cli(
+        "db", "upgrade", "--directory", str(directory), PETSTORE_DB_STATEMENT_TIMEOUT_MS="50"
+    )
 
     assert done.exit_code == 0, done.output
     assert has_column(migrated_url)
