@@ -28,6 +28,7 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 from petstore import config as _config
+from petstore import migrations as _migrations
 from petstore import overrides
 
 _env = os.environ.get
@@ -52,9 +53,16 @@ def _count(name: str, default: int) -> int:
 # The service's own settings (petstore.config) are checked here too, so that a bad one is one
 # line in the master rather than a traceback in every worker.
 try:
-    _config.check(_config.from_environ())
+    _settings = _config.from_environ()
+    _config.check(_settings)
 except _config.ConfigError as _exc:
     _refuse(str(_exc))
+
+# Code newer than the database's schema does not start: before gunicorn binds, so that during a
+# release (USR2) the old master keeps serving and a new host never joins nginx's upstreams.
+_missing = _migrations.refusal(_settings)
+if _missing:
+    _refuse(_missing)
 
 # gunicorn's refusals (a request it cannot parse) are the Error JSON, not its HTML page. Set here,
 # in the master, so that every worker inherits it.

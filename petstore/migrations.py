@@ -22,6 +22,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from petstore import db
 from petstore.db import Connection
 
 log = logging.getLogger(__name__)
@@ -110,10 +111,36 @@ def applied(conn: Connection) -> list[str]:
     return [row["name"] for row in rows]
 
 
+def schema_version(conn: Connection) -> str | None:
+    """The database's schema: the newest migration applied, its file name without .sql."""
+    row = conn.execute("select max(name) as name from schema_migrations").fetchone()
+    return row["name"].removesuffix(".sql") if row and row["name"] else None
+
+
 def pending(conn: Connection, directory: Traversable | Path | None = None) -> list[Migration]:
     """The migrations of `directory` (default: sql/) not yet applied to the database."""
     done = set(applied(conn))
     return [m for m in migrations(directory) if m.name not in done]
+
+
+def refusal(settings: dict[str, Any]) -> str | None:
+    """Why this code must not serve the database of `settings` (migrations it needs are missing).
+
+    None when the database has them all, and when it does not answer: then the service starts and
+    answers 503 until it does (wsgi.py says so), as it would after a restart of PostgreSQL.
+    """
+    try:
+        with db.connect(settings) as conn:
+            missing = [m.name for m in pending(conn)]
+    except psycopg.Error:
+        return None
+    if not missing:
+        return None
+    return (
+        f"the database lacks the migration{'s' if len(missing) > 1 else ''} "
+        f"{', '.join(missing)} that this version of the code needs: run `petstore db upgrade` "
+        "first (docs/upgrading.rst)"
+    )
 
 
 def upgrade(

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 from collections.abc import Callable
+from importlib import metadata
 
 from flask import Blueprint, Response, current_app
 
+from petstore import migrations
 from petstore.auth import public
 from petstore.db import get_pool
 from petstore.errors import error_response
@@ -15,26 +18,35 @@ from petstore.errors import error_response
 bp = Blueprint("health", __name__)
 log = logging.getLogger(__name__)
 
+# The version this code is (setup.cfg's), as the installed package's metadata says.
+VERSION = metadata.version("petstore")
+
 
 @bp.get("/healthz")
 @public
 def healthz() -> Response:
-    """The process is alive and answering."""
-    return current_app.response_class('{"status":"ok"}', mimetype="application/json")
+    """The process is alive and answering; which version of the code it runs."""
+    return current_app.response_class(
+        json.dumps({"status": "ok", "version": VERSION}, separators=(",", ":")),
+        mimetype="application/json",
+    )
 
 
-def postgres_answers() -> None:
+def postgres_answers() -> str | None:
+    """PostgreSQL answers; its schema (the newest migration applied)."""
     pool = get_pool()
     with pool.connection(timeout=current_app.config["READY_TIMEOUT"]) as conn:
-        conn.execute("select 1")
+        return migrations.schema_version(conn)
 
 
 def limiter_storage_answers() -> None:
+    """The rate limit storage answers."""
     if not current_app.extensions["petstore.limiter"].storage.check():
         raise ConnectionError("the rate limit storage did not answer")
 
 
-CHECKS: dict[str, Callable[[], None]] = {
+# Each check raises when its service does not answer; what it returns is reported (the schema).
+CHECKS: dict[str, Callable[[], str | None]] = {
     "postgres": postgres_answers,
     "ratelimit_storage": limiter_storage_answers,
 }
@@ -47,17 +59,18 @@ def readyz() -> Response:
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     timeout = app.config["READY_TIMEOUT"]
 
-    def run(check: Callable[[], None]) -> None:
+    def run(check: Callable[[], str | None]) -> str | None:
         with app.app_context():
-            check()
+            return check()
 
     failed = []
+    reported: dict[str, str | None] = {}
     # Both checks at once, each bounded, so that a silent server cannot hold the probe.
     with concurrent.futures.ThreadPoolExecutor(len(CHECKS)) as executor:
         futures = {name: executor.submit(run, check) for name, check in CHECKS.items()}
         for name, future in futures.items():
             try:
-                future.result(timeout=timeout)
+                reported[name] = future.result(timeout=timeout)
             except Exception as exc:
                 log.warning("not ready: %s: %s", name, exc)
                 failed.append(name)
@@ -68,7 +81,12 @@ def readyz() -> Response:
             f"Not ready: {', '.join(failed)} did not answer within {timeout} s.",
             {"Retry-After": str(app.config["RETRY_AFTER"])},
         )
+    ready = {
+        "status": "ready",
+        "version": VERSION,
+        "schema": reported["postgres"],
+        "checks": {"postgres": "ok", "ratelimit_storage": "ok"},
+    }
     return current_app.response_class(
-        '{"status":"ready","checks":{"postgres":"ok","ratelimit_storage":"ok"}}',
-        mimetype="application/json",
+        json.dumps(ready, separators=(",", ":")), mimetype="application/json"
     )
