@@ -180,10 +180,10 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_MIGRATION_DATABASE_URL": ("MIGRATION_DATABASE_URL", _str, None),
     # How long a migration waits for a lock (the queries behind it wait as long), how many more
     # times it tries, and its own statement timeout (an index build outlasts any request).
-    "PETSTORE_MIGRATION_LOCK_TIMEOUT_MS": ("MIGRATION_LOCK_TIMEOUT_MS", _int(1), 2000),
-    "PETSTORE_MIGRATION_LOCK_RETRIES": ("MIGRATION_LOCK_RETRIES", _int(0), 4),
-    "PETSTORE_MIGRATION_STATEMENT_TIMEOUT_MS": (
-        "MIGRATION_STATEMENT_TIMEOUT_MS",
+    "PETSTORE_MIGRATION_LOCK_WAIT_MS": ("MIGRATION_LOCK_WAIT_MS", _int(1), 2000),
+    "PETSTORE_MIGRATION_RETRIES": ("MIGRATION_RETRIES", _int(0), 4),
+    "PETSTORE_MIGRATION_TIMEOUT_MS": (
+        "MIGRATION_TIMEOUT_MS",
         _int(1),
         3_600_000,
     ),

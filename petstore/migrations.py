@@ -1,8 +1,8 @@
 """The migrations runner: `petstore db upgrade` and `petstore db status` (sql/, docs/upgrading.rst).
 
-Each migration waits at most MIGRATION_LOCK_TIMEOUT_MS for a lock, so that the queries queued
+Each migration waits at most MIGRATION_LOCK_WAIT_MS for a lock, so that the queries queued
 behind it (every later query on the table it locks) wait no longer than that either. When it
-cannot get its lock it is rolled back, and tried again after a pause, MIGRATION_LOCK_RETRIES
+cannot get its lock it is rolled back, and tried again after a pause, MIGRATION_RETRIES
 times; then the upgrade gives up with one line naming the lock and the session that holds it.
 """
 
@@ -80,9 +80,9 @@ class Limits:
     def from_settings(cls, settings: Mapping[str, Any]) -> Limits:
         """The limits the settings give."""
         return cls(
-            settings["MIGRATION_LOCK_TIMEOUT_MS"],
-            settings["MIGRATION_LOCK_RETRIES"],
-            settings["MIGRATION_STATEMENT_TIMEOUT_MS"],
+            settings["MIGRATION_LOCK_WAIT_MS"],
+            settings["MIGRATION_RETRIES"],
+            settings["MIGRATION_TIMEOUT_MS"],
         )
 
 
@@ -197,7 +197,7 @@ def apply_with_retries(conn: Connection, migration: Migration, limits: Limits) -
         if attempt > limits.lock_retries:
             raise GaveUp(
                 f"migration {migration.name} gave up after {attempt} attempts of "
-                f"{limits.lock_timeout_ms} ms (PETSTORE_MIGRATION_LOCK_TIMEOUT_MS): it waited "
+                f"{limits.lock_timeout_ms} ms (PETSTORE_MIGRATION_LOCK_WAIT_MS): it waited "
                 f"for {waited_for}; nothing of it is applied: run `petstore db upgrade` again "
                 "once that ends"
             )

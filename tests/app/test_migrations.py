@@ -66,7 +66,7 @@ def test_a_migration_gives_up_in_one_line_when_its_lock_is_held_and_the_rerun_fi
     cli: Cli, migrated_url: str, tmp_path: Path
 ) -> None:
     directory = write(tmp_path / "sql", "9001_pet_note.sql", ADD_COLUMN)
-    limits = {"PETSTORE_MIGRATION_LOCK_TIMEOUT_MS": "300", "PETSTORE_MIGRATION_LOCK_RETRIES": "2"}
+    limits = {"PETSTORE_MIGRATION_LOCK_WAIT_MS": "300", "PETSTORE_MIGRATION_RETRIES": "2"}
     waits: list[float] = []
     stop = threading.Event()
 
@@ -98,7 +98,7 @@ def test_a_migration_gives_up_in_one_line_when_its_lock_is_held_and_the_rerun_fi
     assert len(lines) == 1, gave_up.stderr
     expected = (
         rf"Error: migration 9001_pet_note\.sql gave up after 3 attempts of 300 ms "
-        rf"\(PETSTORE_MIGRATION_LOCK_TIMEOUT_MS\): it waited for AccessExclusiveLock on relation "
+        rf"\(PETSTORE_MIGRATION_LOCK_WAIT_MS\): it waited for AccessExclusiveLock on relation "
         rf"pets, held by pid {holder_pid} \(long-report, idle in transaction since .*: "
         rf"{re.escape(LONG_REPORT)}\); nothing of it is applied: run `petstore db upgrade` again "
         rf"once that ends"
@@ -160,7 +160,7 @@ def test_migrations_have_their_own_statement_timeout(
         "--directory",
         str(directory),
         PETSTORE_DB_STATEMENT_TIMEOUT_MS="50",
-        PETSTORE_MIGRATION_STATEMENT_TIMEOUT_MS="200",
+        PETSTORE_MIGRATION_TIMEOUT_MS="200",
     )
 
     assert slow.exit_code == 1

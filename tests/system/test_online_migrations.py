@@ -153,8 +153,8 @@ def test_a_migration_behind_a_long_transaction_gives_up_and_the_load_never_waits
     )
     lock_timeout_ms = 500
     limits = {
-        "PETSTORE_MIGRATION_LOCK_TIMEOUT_MS": str(lock_timeout_ms),
-        "PETSTORE_MIGRATION_LOCK_RETRIES": "2",
+        "PETSTORE_MIGRATION_LOCK_WAIT_MS": str(lock_timeout_ms),
+        "PETSTORE_MIGRATION_RETRIES": "2",
     }
     environ = {"DATABASE_URL": million_pets, "RATELIMIT_STORAGE_URI": "memory://"}
     with Gunicorn(environ, tmp_path / "gunicorn.log", workers=1, threads=8) as server:
@@ -192,7 +192,7 @@ def test_a_migration_behind_a_long_transaction_gives_up_and_the_load_never_waits
     ), retries
     assert last.startswith(
         "Error: migration 9103_pets_blocked.sql gave up after 3 attempts of 500 ms "
-        "(PETSTORE_MIGRATION_LOCK_TIMEOUT_MS): it waited for AccessExclusiveLock on relation "
+        "(PETSTORE_MIGRATION_LOCK_WAIT_MS): it waited for AccessExclusiveLock on relation "
         f"pets, held by pid {holder_pid} (long-report, idle in transaction since "
     ), last
     assert_clean(load, million_pets)
