@@ -158,9 +158,17 @@ def post_worker_init(worker: Any) -> None:
 
 
 def on_starting(server: Any) -> None:
-    """Before any worker: empty the metrics directory, as prometheus_client requires."""
+    """Before any worker: empty the metrics directory, as prometheus_client requires.
+
+    Not in a master that USR2 started (gunicorn tells it GUNICORN_PID, its parent's pid): the
+    old master's workers still serve and count there when the directory is a set one, and their
+    gauges go when they exit (child_exit). An unset directory is the old master's own: gunicorn
+    re-execs with the environment it started with, so the new master makes a fresh one.
+    """
     directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     os.makedirs(directory, exist_ok=True)
+    if os.environ.get("GUNICORN_PID"):
+        return
     for stale in glob.glob(os.path.join(directory, "*.db")):
         os.remove(stale)
 

@@ -1,0 +1,189 @@
+"""A release on one host under a mixed load (issue 28 §2): gunicorn's USR2 re-exec starts the new
+code beside the old on the same listening socket, then TERM stops the old master gracefully.
+No answer other than 200 or 201, no connection error, every 201 a row.
+
+The host runs the release that the link `current` points at, as deploy/install.sh's checkout
+would be: gunicorn is started with that link as its working directory (PWD), so that its re-exec
+changes into the link again and finds the new release. The new release here is a second
+checkout of this commit that says another version (its own dist-info first on sys.path).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from petstore import auth, config, db, migrations
+from tests.support.checks import Answer, call
+from tests.support.databases import empty_database
+from tests.support.load import MixedLoad
+from tests.support.servers import LOOPBACK, ROOT, free_port
+
+NEW_VERSION = "1.1.0.post1"
+
+
+def git(*args: str) -> None:
+    subprocess.run(["git", *args], cwd=ROOT, capture_output=True, timeout=120, check=True)
+
+
+@pytest.fixture
+def releases(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """Two checkouts of this commit, the second saying NEW_VERSION; removed at the end."""
+    old, new = tmp_path / "releases" / "old", tmp_path / "releases" / "new"
+    for checkout in (old, new):
+        git("worktree", "add", "--detach", str(checkout), "HEAD")
+    info = new / f"petstore-{NEW_VERSION}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: petstore\nVersion: {NEW_VERSION}\n", encoding="utf-8"
+    )
+    try:
+        yield old, new
+    finally:
+        for checkout in (old, new):
+            git("worktree", "remove", "--force", str(checkout))
+
+
+def point(link: Path, target: Path) -> None:
+    """Make `link` lead to `target` in one step (a rename), as a deploy does."""
+    staged = link.with_name(link.name + ".new")
+    staged.symlink_to(target)
+    os.replace(staged, link)
+
+
+def read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def versions(url: str) -> set[str]:
+    """The versions that a few /healthz answer with (both masters share the socket)."""
+    found = set()
+    for _ in range(8):
+        try:
+            answer = call(url, "GET", "/healthz", timeout=5)
+        except OSError:
+            continue
+        if answer.status == 200:
+            found.add(answer.body["version"])
+    return found
+
+
+def wait_for(condition: Callable[[], bool], within: float, what: str) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `within` seconds."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within} s: {what}"
+        time.sleep(0.1)
+
+
+def p99(answers: list[Answer]) -> float:
+    times = sorted(answer.elapsed for answer in answers)
+    return times[int(len(times) * 0.99)]
+
+
+def test_usr2_replaces_the_running_version_without_a_refused_request(
+    releases: tuple[Path, Path], database_url: str, tmp_path: Path
+) -> None:
+    old, new = releases
+    current = tmp_path / "current"
+    point(current, old)
+    pidfile = tmp_path / "gunicorn.pid"
+    port = free_port()
+    url = f"http://{LOOPBACK}:{port}"
+    with empty_database(database_url, "_release") as database:
+        with db.connect(config.from_environ({"DATABASE_URL": database})) as conn:
+            migrations.upgrade(conn)
+            key, _row = auth.issue_key(conn, "enterprise", "release", 1_000_000, 10_000_000)
+        environ = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("PETSTORE_")},
+            "DATABASE_URL": database,
+            "RATELIMIT_STORAGE_URI": "memory://",
+            "BIND": f"{LOOPBACK}:{port}",
+            "PWD": str(current),
+            "PYTHONUNBUFFERED": "1",
+        }
+        environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        # The venv's script, as deploy/install.sh runs it: `python -m gunicorn` re-execs as
+        # gunicorn/__main__.py, whose folder first on sys.path hides the standard library's http.
+        command = [str(Path(sys.executable).parent / "gunicorn"), "-c", "deploy/gunicorn.conf.py"]
+        with (tmp_path / "gunicorn.log").open("wb") as log:
+            master = subprocess.Popen(
+                [*command, "--pid", str(pidfile), "wsgi:app"],
+                cwd=current,
+                env=environ,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            wait_for(lambda: versions(url) == {"1.1.0"}, 30, "the old release answers")
+            load = MixedLoad(url, key, "release", clients=8)
+            stop = threading.Event()
+            loading = threading.Thread(target=load.run, args=(10**9, stop))
+            loading.start()
+            try:
+                time.sleep(2)
+                started = time.monotonic()
+                # The release: the link to the new checkout, USR2, then TERM to the old master
+                # once the new one's workers answer.
+                point(current, new)
+                os.kill(master.pid, signal.SIGUSR2)
+                # gunicorn's new master writes its pid beside the old one's, with ".2"
+                successor = pidfile.with_name(pidfile.name + ".2")
+                wait_for(lambda: read_pid(successor) is not None, 30, "a new master")
+                new_master = read_pid(successor)
+                wait_for(lambda: NEW_VERSION in versions(url), 30, "the new release answers")
+                os.kill(master.pid, signal.SIGTERM)
+                master.wait(timeout=30)
+                # Its parent gone, the new master takes the pid file's name.
+                wait_for(lambda: read_pid(pidfile) == new_master, 10, "the pid file renamed")
+                finished = time.monotonic()
+                time.sleep(2)
+            finally:
+                stop.set()
+                loading.join(timeout=60)
+            after = versions(url)
+        finally:
+            for pid in {master.pid, read_pid(pidfile)} - {None}:
+                if pid is not None and alive(pid):
+                    os.kill(pid, signal.SIGTERM)
+            wait_for(lambda: not any(alive(p) for p in {read_pid(pidfile)} - {None}), 30, "stop")
+            try:
+                os.killpg(master.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            master.wait(timeout=10)
+        statuses = {answer.status for answer in load.answers}
+        during = [a for a in load.answers if started <= a.started <= finished]
+        print(
+            f"\nrelease took {finished - started:.1f} s; {len(load.answers)} answers, "
+            f"{len(during)} during the release, p99 during {p99(during) * 1000:.1f} ms, "
+            f"statuses {sorted(statuses)}, {len(load.created)} created"
+        )
+
+        assert load.failures == []
+        assert statuses <= {200, 201}, sorted(statuses)
+        assert load.abandoned == []
+        assert after == {NEW_VERSION}
+        rows = load.rows(lambda: db.connect(config.from_environ({"DATABASE_URL": database})))
+        assert sum(rows.values()) == len(load.created) and set(rows.values()) == {1}
+        assert len(during) > 50
