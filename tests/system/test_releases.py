@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from petstore import auth, config, db, migrations
 from tests.support.checks import Answer, call
 from tests.support.databases import empty_database
 from tests.support.load import MixedLoad
+from tests.support.nginx import DeployedGunicorn, Nginx
 from tests.support.servers import LOOPBACK, ROOT, free_port
 
 NEW_VERSION = "1.1.0.post1"
@@ -121,7 +123,8 @@ def test_usr2_replaces_the_running_version_without_a_refused_request(
             "PWD": str(current),
             "PYTHONUNBUFFERED": "1",
         }
-        environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        # A directory of the operator's, which both masters share during the release.
+        environ["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path / "metrics")
         # The venv's script, as deploy/install.sh runs it: `python -m gunicorn` re-execs as
         # gunicorn/__main__.py, whose folder first on sys.path hides the standard library's http.
         command = [str(Path(sys.executable).parent / "gunicorn"), "-c", "deploy/gunicorn.conf.py"]
@@ -162,6 +165,7 @@ def test_usr2_replaces_the_running_version_without_a_refused_request(
                 stop.set()
                 loading.join(timeout=60)
             after = versions(url)
+            metrics = call(url, "GET", "/metrics", timeout=10)
         finally:
             for pid in {master.pid, read_pid(pidfile)} - {None}:
                 if pid is not None and alive(pid):
@@ -178,6 +182,106 @@ def test_usr2_replaces_the_running_version_without_a_refused_request(
             f"\nrelease took {finished - started:.1f} s; {len(load.answers)} answers, "
             f"{len(during)} during the release, p99 during {p99(during) * 1000:.1f} ms, "
             f"statuses {sorted(statuses)}, {len(load.created)} created"
+        )
+
+        assert load.failures == []
+        assert statuses <= {200, 201}, sorted(statuses)
+        assert load.abandoned == []
+        assert after == {NEW_VERSION}
+        assert metrics.status == 200
+        assert "petstore_http_requests_total" in metrics.raw.decode(), metrics.raw[:300]
+        rows = load.rows(lambda: db.connect(config.from_environ({"DATABASE_URL": database})))
+        assert sum(rows.values()) == len(load.created) and set(rows.values()) == {1}
+        assert len(during) > 50
+
+
+class ReleasedGunicorn(DeployedGunicorn):
+    """gunicorn as deployed, running the checkout `source`, on the given loopback `port`."""
+
+    def __init__(self, source: Path, port: int, environ: dict[str, str], log_path: Path) -> None:
+        super().__init__(environ, log_path, workers=1, threads=4)
+        self.source = source
+        self.port = port
+        self.url = f"http://{LOOPBACK}:{port}"
+        self.address = f"{LOOPBACK}:{port}"
+        self.environ["BIND"] = self.address
+
+    def command(self) -> list[str]:
+        """The checkout's own config file and app (its folder first on sys.path)."""
+        return [sys.executable, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py", "wsgi:app"]
+
+    def start(self) -> None:
+        environ = {**os.environ, **self.environ, "PYTHONUNBUFFERED": "1"}
+        self.launch(self.command(), cwd=self.source, env=environ)
+
+
+def reload_without(proxy: Nginx, hosts: list[str], drained: str | None) -> None:
+    """nginx's upstreams `hosts`, `drained` marked down; reloaded, and its old workers gone.
+
+    A reload starts new workers with the new configuration; the old ones finish the requests
+    they have (and close their upstream connections) and exit. Once they are gone, no request
+    is on its way to the drained host.
+    """
+    proxy.upstreams = [f"{host} down" if host == drained else host for host in hosts]
+    proxy.write_config()
+    before = set(nginx_workers(proxy.pid))
+    os.kill(proxy.pid, signal.SIGHUP)
+    wait_for(lambda: not before & set(nginx_workers(proxy.pid)), 30, "nginx's old workers gone")
+
+
+def nginx_workers(master: int) -> list[int]:
+    """The pids of nginx's workers (the master's children)."""
+    found = subprocess.run(
+        ["pgrep", "-P", str(master)], capture_output=True, text=True, timeout=10
+    ).stdout
+    return [int(pid) for pid in found.split()]
+
+
+def test_hosts_behind_nginx_are_replaced_one_at_a_time_without_a_refused_request(
+    releases: tuple[Path, Path], database_url: str, tmp_path: Path
+) -> None:
+    old, new = releases
+    with empty_database(database_url, "_rolling") as database:
+        with db.connect(config.from_environ({"DATABASE_URL": database})) as conn:
+            migrations.upgrade(conn)
+            key, _row = auth.issue_key(conn, "enterprise", "rolling", 1_000_000, 10_000_000)
+        environ = {"DATABASE_URL": database, "RATELIMIT_STORAGE_URI": "memory://"}
+        with ExitStack() as stack:
+            hosts = [
+                stack.enter_context(
+                    ReleasedGunicorn(old, free_port(), environ, tmp_path / f"old-{n}.log")
+                )
+                for n in range(2)
+            ]
+            addresses = [host.address for host in hosts]
+            proxy = stack.enter_context(Nginx(addresses, tmp_path / "nginx"))
+            load = MixedLoad(proxy.url, key, "rolling", clients=8)
+            stop = threading.Event()
+            loading = threading.Thread(target=load.run, args=(10**9, stop))
+            loading.start()
+            try:
+                time.sleep(2)
+                started = time.monotonic()
+                for n, host in enumerate(hosts):
+                    reload_without(proxy, addresses, drained=host.address)
+                    host.stop()
+                    replacement = ReleasedGunicorn(
+                        new, host.port, environ, tmp_path / f"new-{n}.log"
+                    )
+                    stack.enter_context(replacement)
+                    reload_without(proxy, addresses, drained=None)
+                finished = time.monotonic()
+                time.sleep(2)
+            finally:
+                stop.set()
+                loading.join(timeout=60)
+            after = versions(proxy.url)
+        statuses = {answer.status for answer in load.answers}
+        during = [a for a in load.answers if started <= a.started <= finished]
+        print(
+            f"\nrolling release of 2 hosts took {finished - started:.1f} s; "
+            f"{len(load.answers)} answers, {len(during)} during it, p99 during "
+            f"{p99(during) * 1000:.1f} ms, statuses {sorted(statuses)}, {len(load.created)} created"
         )
 
         assert load.failures == []
