@@ -35,7 +35,12 @@ _env = os.environ.get
 
 
 def _refuse(message: str) -> None:
-    """One line naming the setting, then exit: before gunicorn binds, logs or boots anything."""
+    """One line naming the setting, then exit: before gunicorn binds, logs or boots anything.
+
+    The metrics directory made above goes too: on_exit, which removes it otherwise, never runs.
+    """
+    if os.environ.get("PETSTORE_OWN_METRICS_DIR") == os.environ["PROMETHEUS_MULTIPROC_DIR"]:
+        shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
     print(f"petstore: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
 
