@@ -28,13 +28,19 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 from petstore import config as _config
+from petstore import migrations as _migrations
 from petstore import overrides
 
 _env = os.environ.get
 
 
 def _refuse(message: str) -> None:
-    """One line naming the setting, then exit: before gunicorn binds, logs or boots anything."""
+    """One line naming the setting, then exit: before gunicorn binds, logs or boots anything.
+
+    The metrics directory made above goes too: on_exit, which removes it otherwise, never runs.
+    """
+    if os.environ.get("PETSTORE_OWN_METRICS_DIR") == os.environ["PROMETHEUS_MULTIPROC_DIR"]:
+        shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
     print(f"petstore: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
 
@@ -52,9 +58,16 @@ def _count(name: str, default: int) -> int:
 # The service's own settings (petstore.config) are checked here too, so that a bad one is one
 # line in the master rather than a traceback in every worker.
 try:
-    _config.check(_config.from_environ())
+    _settings = _config.from_environ()
+    _config.check(_settings)
 except _config.ConfigError as _exc:
     _refuse(str(_exc))
+
+# Code newer than the database's schema does not start: before gunicorn binds, so that during a
+# release (USR2) the old master keeps serving and a new host never joins nginx's upstreams.
+_missing = _migrations.refusal(_settings)
+if _missing:
+    _refuse(_missing)
 
 # gunicorn's refusals (a request it cannot parse) are the Error JSON, not its HTML page. Set here,
 # in the master, so that every worker inherits it.
@@ -150,9 +163,17 @@ def post_worker_init(worker: Any) -> None:
 
 
 def on_starting(server: Any) -> None:
-    """Before any worker: empty the metrics directory, as prometheus_client requires."""
+    """Before any worker: empty the metrics directory, as prometheus_client requires.
+
+    Not in a master that USR2 started (gunicorn tells it GUNICORN_PID, its parent's pid): the
+    old master's workers still serve and count there when the directory is a set one, and their
+    gauges go when they exit (child_exit). An unset directory is the old master's own: gunicorn
+    re-execs with the environment it started with, so the new master makes a fresh one.
+    """
     directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     os.makedirs(directory, exist_ok=True)
+    if os.environ.get("GUNICORN_PID"):
+        return
     for stale in glob.glob(os.path.join(directory, "*.db")):
         os.remove(stale)
 

@@ -26,7 +26,7 @@ BEARER = re.compile(r"bearer +(.+)", re.IGNORECASE | re.ASCII | re.DOTALL)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# What a key may do (petstore/sql/0005): GET operations need read, POST ones write. New keys get both.
+# What a key may do (sql/0005): GET operations need read, POST ones write. New keys get both.
 SCOPES = ("read", "write")
 # The methods that only read; any other needs write unless its view says otherwise (default deny).
 READ_METHODS = frozenset(("GET", "HEAD"))

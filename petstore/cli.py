@@ -13,7 +13,7 @@ from typing import Any
 import click
 import psycopg
 
-from petstore import auth, config, db, devserver, openapi, views
+from petstore import auth, config, db, devserver, migrations, openapi, views
 from petstore.queries import bans, idempotency, keys
 from petstore.ratelimit.bans import clear_strikes
 from petstore.ratelimit.plans import PLANS
@@ -70,12 +70,21 @@ def db_group() -> None:
     """The database schema."""
 
 
+MIGRATIONS_DIRECTORY = click.option(
+    "--directory",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="The migrations of this directory instead of sql/ (for drills and tests).",
+)
+
+
 @db_group.command("upgrade")
-def db_upgrade() -> None:
+@MIGRATIONS_DIRECTORY
+def db_upgrade(directory: Path | None) -> None:
     """Apply the migrations not yet applied (safe to run concurrently).
 
     Connects to PETSTORE_MIGRATION_DATABASE_URL when set (required behind a transaction pooler,
-    whose connections cannot hold the migrations' session lock), else to DATABASE_URL.
+    whose connections cannot hold the migrations' session lock), else to DATABASE_URL. A
+    migration that cannot get its lock gives up in one line naming it (exit status 1).
     """
     settings = load_settings()
     pooled = db.behind_transaction_pooler(settings)
@@ -91,10 +100,35 @@ def db_upgrade() -> None:
         "DB_POOLER": "none",
     }
     with database(direct) as conn:
-        # Pinned whatever PETSTORE_DB_POOLER says, so that a database which gains a transaction
-        # pooler later keeps its statement timeout (a direct connection sets its own anyway).
-        applied = db.upgrade(conn, settings["DB_STATEMENT_TIMEOUT_MS"])
+        try:
+            limits = migrations.Limits.from_settings(settings)
+            # Pinned whatever PETSTORE_DB_POOLER says, so that a database which gains a
+            # transaction pooler later keeps its statement timeout (a direct connection sets its
+            # own anyway).
+            applied = migrations.upgrade(
+                conn, limits, directory, settings["DB_STATEMENT_TIMEOUT_MS"]
+            )
+        except migrations.GaveUp as exc:
+            raise click.ClickException(str(exc)) from None
     click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
+
+
+@db_group.command("status")
+@MIGRATIONS_DIRECTORY
+def db_status(directory: Path | None) -> None:
+    """List the migrations applied and those pending (exit status 4 when some are pending)."""
+    with database() as conn:
+        done = migrations.applied(conn)
+        waiting = migrations.pending(conn, directory)
+    for name in done:
+        click.echo(f"applied  {name}")
+    for migration in waiting:
+        click.echo(f"pending  {migration.name}")
+    if waiting:
+        raise NothingToDo(
+            f"{len(waiting)} migration{'s' if len(waiting) != 1 else ''} pending: "
+            "run `petstore db upgrade`"
+        )
 
 
 @db_group.command("prune")
@@ -377,7 +411,7 @@ def serve(bind: str, var_dir: Path) -> None:
         settings = load_settings()
         kept_in = var_dir.resolve() / devserver.DEV_KEY_FILE
         with database(settings) as conn:
-            db.upgrade(conn)
+            migrations.upgrade(conn, migrations.Limits.from_settings(settings))
             key, key_id, kept = devserver.development_key(conn, kept_in)
         devserver.print_welcome(settings["DATABASE_URL"], bind, key, key_id, kept, kept_in)
         sys.stdout.flush()

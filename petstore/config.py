@@ -178,6 +178,15 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_DB_STATEMENT_TIMEOUT_MS": ("DB_STATEMENT_TIMEOUT_MS", _int(1), 5000),
     "PETSTORE_DB_POOLER": ("DB_POOLER", _pooler, "none"),
     "PETSTORE_MIGRATION_DATABASE_URL": ("MIGRATION_DATABASE_URL", _str, None),
+    # How long a migration waits for a lock (the queries behind it wait as long), how many more
+    # times it tries, and its own statement timeout (an index build outlasts any request).
+    "PETSTORE_MIGRATION_LOCK_WAIT_MS": ("MIGRATION_LOCK_WAIT_MS", _int(1), 2000),
+    "PETSTORE_MIGRATION_RETRIES": ("MIGRATION_RETRIES", _int(0), 4),
+    "PETSTORE_MIGRATION_TIMEOUT_MS": (
+        "MIGRATION_TIMEOUT_MS",
+        _int(1),
+        3_600_000,
+    ),
     # Unset: every statement on DATABASE_URL. Set: listPets and getPet read there (standbys).
     "PETSTORE_READ_DATABASE_URL": ("READ_DATABASE_URL", _database_url, None),
     "PETSTORE_READ_MAX_LAG_SECONDS": ("READ_MAX_LAG_SECONDS", _float(0), 1.0),

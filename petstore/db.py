@@ -1,18 +1,16 @@
-"""The connection pool, the request's connection, and the migrations runner."""
+"""The connection pool and the request's connection (the migrations runner: petstore.migrations)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import math
-import re
 import select
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, TypeVar
 
 import psycopg
@@ -26,11 +24,6 @@ log = logging.getLogger(__name__)
 
 Connection = psycopg.Connection[DictRow]
 T = TypeVar("T")
-
-# pg_advisory_lock key held while migrating, so that two `petstore db upgrade` wait for each other.
-MIGRATION_LOCK = 0x7065_7473_746F_7265 >> 1  # "petstore", kept inside bigint
-
-MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
 # The longest a read waits for a connection to a standby before it asks the primary instead.
 READ_POOL_TIMEOUT = 0.2
@@ -521,54 +514,3 @@ def durable_write(conn: Connection) -> Iterator[None]:
 def connect(config: dict[str, Any]) -> Connection:
     """A connection outside any request, for the CLI and tests."""
     return psycopg.connect(config["DATABASE_URL"], **connection_kwargs(config))
-
-
-def migrations() -> list[tuple[str, str]]:
-    """(name, SQL) of every numbered migration shipped in the package, in order."""
-    files = resources.files("petstore.sql")
-    found = sorted(f.name for f in files.iterdir() if MIGRATION_NAME.match(f.name))
-    return [(name, files.joinpath(name).read_text(encoding="utf-8")) for name in found]
-
-
-def upgrade(conn: Connection, statement_timeout_ms: int | None = None) -> list[str]:
-    """Apply the migrations not yet applied, each in its own transaction; return their names.
-    With `statement_timeout_ms`, then pin it on the database (pin_statement_timeout), under the
-    same lock: two concurrent ALTER DATABASE of one row fail ("tuple concurrently updated").
-
-    It holds a session-level advisory lock: `conn` must be a direct connection to PostgreSQL,
-    never one through a transaction pooler (PETSTORE_MIGRATION_DATABASE_URL).
-    """
-    applied_now = []
-    # Waiting for another upgrade, or building an index on a big table, may take longer than
-    # the service's statement timeout: migrations have none.
-    conn.execute("set statement_timeout = 0")
-    conn.execute("select pg_advisory_lock(%s)", [MIGRATION_LOCK])
-    try:
-        with conn.transaction():
-            conn.execute(
-                """
-                create table if not exists schema_migrations (
-                    name       text primary key,
-                    applied_at timestamptz not null default now()
-                )
-                """
-            )
-        rows = conn.execute("select name from schema_migrations").fetchall()
-        done = {row["name"] for row in rows}
-        for name, text in migrations():
-            if name in done:
-                continue
-            with conn.transaction():
-                conn.execute(text.encode())
-                conn.execute("insert into schema_migrations (name) values (%s)", [name])
-            log.info("applied migration %s", name)
-            applied_now.append(name)
-        if statement_timeout_ms is not None:
-            try:
-                pin_statement_timeout(conn, statement_timeout_ms)
-            except psycopg.errors.InsufficientPrivilege as exc:
-                # Migrated all the same: a missing pin is reported by the service, not an outage.
-                log.warning("the statement timeout is not pinned on the database: %s", exc)
-    finally:
-        conn.execute("select pg_advisory_unlock(%s)", [MIGRATION_LOCK])
-    return applied_now

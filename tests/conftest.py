@@ -14,7 +14,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 from psycopg import conninfo, sql
 
-from petstore import auth, config, create_app, db
+from petstore import auth, config, create_app, db, migrations
 from tests.support import reports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def database_url() -> Iterator[str]:
     url = conninfo.make_conninfo(admin_url, dbname=dbname)
     settings = config.from_environ({"DATABASE_URL": url})
     with db.connect(settings) as conn:
-        db.upgrade(conn)
+        migrations.upgrade(conn)
     yield url
     if datadir is not None:
         from petstore import embedded

@@ -1,6 +1,6 @@
 """SQL over the pets table: one function per statement, connection first, rows as dicts.
 
-PostgreSQL writes each Pet's JSON itself, with the SQL function pet_json (petstore/sql/0004_pet_json.sql:
+PostgreSQL writes each Pet's JSON itself, with the SQL function pet_json (sql/0004_pet_json.sql:
 an unstated status is left out), in the shape of schemas.PetSchema: the service sends those
 bytes as they come, with no Python object per pet on the way.
 """

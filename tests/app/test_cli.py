@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner, Result
 from flask.testing import FlaskClient
 
-from petstore import db
+from petstore import db, migrations
 from petstore.cli import main
 from petstore.devserver import development_key
 from petstore.queries import keys
@@ -348,7 +348,7 @@ def test_db_upgrade_is_idempotent(cli: Cli, conn: db.Connection) -> None:
     for result in (first, second):
         assert result.exit_code == 0, result.output
         assert result.stdout.strip() == "schema is up to date"
-    assert applied_migrations(conn) == before == [name for name, _sql in db.migrations()]
+    assert applied_migrations(conn) == before == [m.name for m in migrations.migrations()]
 
 
 @pytest.fixture
@@ -401,17 +401,17 @@ def wait_until_waiting(
 def test_two_concurrent_upgrades_of_an_empty_database(migrate_database_url: str) -> None:
     with psycopg.connect(migrate_database_url, autocommit=True) as holder:
         # Hold the migration lock so that both processes are surely at the start line together.
-        holder.execute("select pg_advisory_lock(%s)", [db.MIGRATION_LOCK])
+        holder.execute("select pg_advisory_lock(%s)", [migrations.MIGRATION_LOCK])
         processes = [start_upgrade(migrate_database_url) for _ in range(2)]
         try:
             wait_until_waiting(holder, processes)
         finally:
-            holder.execute("select pg_advisory_unlock(%s)", [db.MIGRATION_LOCK])
+            holder.execute("select pg_advisory_unlock(%s)", [migrations.MIGRATION_LOCK])
         outputs = [process.communicate(timeout=60) for process in processes]
 
         for process, (out, err) in zip(processes, outputs, strict=True):
             assert process.returncode == 0, out + err
-        names = [name for name, _sql in db.migrations()]
+        names = [m.name for m in migrations.migrations()]
         stdouts = sorted(out.strip() for out, _err in outputs)
         assert stdouts == sorted([f"applied: {', '.join(names)}", "schema is up to date"])
         rows = holder.execute(
@@ -428,7 +428,7 @@ def test_an_upgrade_waits_for_a_slow_one_beyond_the_statement_timeout(
     with psycopg.connect(migrate_database_url, autocommit=True) as holder:
         # Another upgrade holds the lock longer than the service's statement timeout (shrunk to 50 ms here):
         # a migration may take that long, and the waiting upgrade must not fail because of it.
-        holder.execute("select pg_advisory_lock(%s)", [db.MIGRATION_LOCK])
+        holder.execute("select pg_advisory_lock(%s)", [migrations.MIGRATION_LOCK])
         process = start_upgrade(migrate_database_url, PETSTORE_DB_STATEMENT_TIMEOUT_MS="50")
         try:
             wait_until_waiting(holder, [process])
@@ -440,7 +440,7 @@ def test_an_upgrade_waits_for_a_slow_one_beyond_the_statement_timeout(
                 out, err = process.communicate()
                 pytest.fail(f"the waiting upgrade exited {process.returncode}: {err[-300:]}")
         finally:
-            holder.execute("select pg_advisory_unlock(%s)", [db.MIGRATION_LOCK])
+            holder.execute("select pg_advisory_unlock(%s)", [migrations.MIGRATION_LOCK])
         out, err = process.communicate(timeout=60)
 
     assert process.returncode == 0, out + err

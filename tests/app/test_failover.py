@@ -9,7 +9,7 @@ import pytest
 from flask import Flask
 from psycopg import conninfo, sql
 
-from petstore import auth, config, create_app, db
+from petstore import auth, config, create_app, db, migrations
 from tests.conftest import count_pets
 from tests.support.checks import assert_error
 from tests.support.databases import empty_database
@@ -80,7 +80,7 @@ def read_only_database(database_url: str) -> Iterator[str]:
     primary, as libpq sees it); its URL. Writable again after `make_writable(url)`."""
     with empty_database(database_url, "_failover") as url:
         with db.connect(config.from_environ({"DATABASE_URL": url})) as admin:
-            db.upgrade(admin)
+            migrations.upgrade(admin)
         yield url
 
 

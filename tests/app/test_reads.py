@@ -13,7 +13,7 @@ import pytest
 from flask import Flask
 from psycopg import conninfo
 
-from petstore import config, db
+from petstore import config, db, migrations
 from tests.conftest import count_pets
 from tests.support.checks import assert_error
 from tests.support.databases import empty_database
@@ -33,7 +33,7 @@ def standby_url(database_url: str) -> Iterator[str]:
     """A migrated scratch database holding one pet of its own, STANDBY_PET_ID; its URL."""
     with empty_database(database_url, "_standby") as url:
         with db.connect(config.from_environ({"DATABASE_URL": url})) as conn:
-            db.upgrade(conn)
+            migrations.upgrade(conn)
             conn.execute(
                 """
                 insert into pets (id, name, category_id, status)

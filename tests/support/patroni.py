@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from psycopg import conninfo
 
-from petstore import auth, config, db, devserver
+from petstore import auth, config, db, devserver, migrations
 from tests.support.programs import program
 from tests.support.servers import (
     LOOPBACK,
@@ -297,7 +297,7 @@ class Cluster:
         assert poll_until(second.is_sync_standby, bool, CLUSTER_READY, 0.2), second.log()
         devserver.ensure_database(self.url("postgres"), "petstore")
         with self.connect() as conn:
-            db.upgrade(conn)
+            migrations.upgrade(conn)
             self.key, _row = auth.issue_key(conn, "enterprise", "patroni", 10**7, 10**8)
 
     def stop(self) -> None:

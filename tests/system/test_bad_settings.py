@@ -7,14 +7,19 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psycopg
 import pytest
+from psycopg.rows import dict_row
 
+from petstore import migrations
+from tests.support.databases import empty_database
 from tests.support.servers import LOOPBACK, ROOT, Gunicorn, free_port
 
 BIN = Path(sys.executable).parent
@@ -121,3 +126,24 @@ def test_unreachable_database_is_one_clear_line_and_the_service_starts(tmp_path:
     assert "PostgreSQL at DATABASE_URL does not answer (connection failed: " in lines[0]
     assert f"port {port} failed" in lines[0]
     assert "serving 503 until it does" in lines[0]
+
+
+def test_code_newer_than_the_schema_refuses_to_start_before_binding(database_url: str) -> None:
+    """The database lacks the newest migration: one line naming it and the command, exit 1."""
+    newest = migrations.migrations()[-1].name
+    with empty_database(database_url, "_behind") as url:
+        with psycopg.connect(url, autocommit=True, row_factory=dict_row) as conn:
+            migrations.upgrade(conn)
+            conn.execute("delete from schema_migrations where name = %s", [newest])
+        port = free_port()
+
+        done = run(DEPLOYED, DATABASE_URL=url, BIND=f"{LOOPBACK}:{port}")
+
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr == (
+        f"petstore: the database lacks the migration {newest} that this version of the code "
+        "needs: run `petstore db upgrade` first (docs/upgrading.rst)\n"
+    )
+    with socket.socket() as probe:
+        assert probe.connect_ex((LOOPBACK, port)) != 0  # nothing was ever bound there

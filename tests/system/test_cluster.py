@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis.cluster
 
-from petstore import auth, config, db
+from petstore import auth, config, db, migrations
 from petstore.ratelimit import storages
 from tests.support.checks import call
 from tests.support.databases import empty_database
@@ -75,7 +75,7 @@ def scratch_url(database_url: str) -> Iterator[str]:
     """A migrated scratch database of this module."""
     with empty_database(database_url, "_cluster") as url:
         with db.connect(config.from_environ({"DATABASE_URL": url})) as conn:
-            db.upgrade(conn)
+            migrations.upgrade(conn)
         yield url
 
 

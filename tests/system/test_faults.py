@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from petstore import auth, config, db, devserver
+from petstore import auth, config, db, devserver, migrations
 from tests.support import reports
 from tests.support.checks import Answer, call
 from tests.support.nginx import DeployedGunicorn, Nginx
@@ -152,7 +152,7 @@ class Stack:
         devserver.ensure_database(self.cluster.url(), APP_DBNAME)
         self.database_url = self.cluster.url(APP_DBNAME)
         with self.connect() as conn:
-            db.upgrade(conn)
+            migrations.upgrade(conn)
             self.key, _row = auth.issue_key(conn, "enterprise", "faults", 10_000_000, 100_000_000)
         self.redis.start()
         self.start_web(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from petstore import auth, config, db
+from petstore import auth, config, db, migrations
 from tests.support.checks import call
 from tests.support.databases import empty_database
 from tests.support.hosts import HostGunicorn, Hosts, SharedRedis
@@ -68,7 +68,7 @@ def site(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     hosts = Hosts(["nginx", *APPS], LINKS)
     with empty_database(database_url, "_hosts") as direct_url, hosts:
         with db.connect(config.from_environ({"DATABASE_URL": direct_url})) as conn:
-            db.upgrade(conn)
+            migrations.upgrade(conn)
             db.pin_statement_timeout(conn, 5000)
         machine = [hosts.address("", app) for app in APPS]
         with (

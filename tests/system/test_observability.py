@@ -220,10 +220,8 @@ def probe(base_url: str, path: str = "/readyz") -> Answer:
 def assert_ready(answer: Answer) -> None:
     """200 and both checks ok."""
     assert answer.status == 200, answer
-    assert answer.body == {
-        "status": "ready",
-        "checks": {"postgres": "ok", "ratelimit_storage": "ok"},
-    }, answer
+    assert answer.body["status"] == "ready", answer  # its version and schema: test_versions.py
+    assert answer.body["checks"] == {"postgres": "ok", "ratelimit_storage": "ok"}, answer
     assert answer.elapsed < PROBE_WITHIN, answer
 
 

@@ -28,7 +28,26 @@ def checkout_files() -> list[str]:
         check=True,
         capture_output=True,
     ).stdout.decode()
-    return [name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+    return [
+        name
+        for name in listed.split("\0")
+        if name and ((ROOT / name).is_file() or (ROOT / name).is_symlink())
+    ]
+
+
+def copy_checkout(target: Path) -> None:
+    """Copy what a clean clone would hold into `target`, symbolic links as links (petstore/sql)."""
+    for name in checkout_files():
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        if (ROOT / name).is_symlink():
+            (target / name).symlink_to((ROOT / name).readlink())
+        else:
+            shutil.copy2(ROOT / name, target / name)
+
+
+def sql_files() -> list[str]:
+    """The migrations' file names in the checkout's top-level sql/, in order."""
+    return sorted(path.name for path in (ROOT / "sql").iterdir() if MIGRATION.match(path.name))
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +64,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory, outside: Path) -> Path:
     # Install from a copy of the tree, as from a fresh clone: a stale build/ in the checkout
     # would otherwise hide files that the package data configuration forgets.
     source = tmp_path_factory.mktemp("source")
-    for name in checkout_files():
-        (source / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, source / name)
+    copy_checkout(source)
     path = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True, cwd=outside)
     subprocess.run(
@@ -111,16 +128,14 @@ def test_petstore_command_is_installed(venv: Path, outside: Path) -> None:
 
 
 def test_migrations_ship_inside_the_installed_package(venv: Path, outside: Path) -> None:
-    in_checkout = sorted(
-        path.name for path in (ROOT / "petstore" / "sql").iterdir() if MIGRATION.match(path.name)
-    )
+    in_checkout = sql_files()
 
     result = run(
         venv,
         outside,
         "python",
         "-c",
-        "import petstore.db; print(petstore.db.__file__); print(*(name for name, _ in petstore.db.migrations()))",
+        "import petstore.migrations as m; print(m.__file__); print(*(x.name for x in m.migrations()))",
     )
 
     module_file, names = result.stdout.splitlines()
@@ -136,13 +151,19 @@ def test_installed_db_upgrade_migrates_a_fresh_database(
     first = run(venv, outside, "petstore", "db", "upgrade", DATABASE_URL=fresh_database_url)
     second = run(venv, outside, "petstore", "db", "upgrade", DATABASE_URL=fresh_database_url)
 
-    assert first.stdout.startswith("applied: 0001_")
+    every_file = sql_files()
+    assert every_file
+    assert first.stdout.strip() == "applied: " + ", ".join(every_file)
     assert second.stdout.strip() == "schema is up to date"
     with psycopg.connect(fresh_database_url) as conn:
         tables = conn.execute(
             "select to_regclass('pets') is not null, to_regclass('api_keys') is not null"
         ).fetchone()
+        applied = [
+            row[0] for row in conn.execute("select name from schema_migrations order by name")
+        ]
     assert tables == (True, True)
+    assert applied == every_file
 
 
 def test_installed_wsgi_app_serves_the_api(
@@ -189,12 +210,11 @@ def test_the_editable_install_of_make_prints_no_setuptools_warning(
     setuptools warns ("BuildBackendWarning: Editable installation ... Please be careful with
     folders in your working directory") when it must install a meta path finder, which it does
     unless every package sits in the folder of its name under one import root (setup.cfg's
-    `package_dir = = .`, the migrations in petstore/sql/).
+    `package_dir = = .`; the migrations in sql/, reached through the link petstore/sql). The
+    install finds every file of sql/ as the package's data, as the wheel does.
     """
     source = tmp_path / "source"
-    for name in checkout_files():
-        (source / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, source / name)
+    copy_checkout(source)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, cwd=outside)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
@@ -214,3 +234,20 @@ def test_the_editable_install_of_make_prints_no_setuptools_warning(
     output = done.stdout + done.stderr
     assert "BuildBackendWarning" not in output
     assert "Please be careful" not in output
+    # Without the dependencies (--no-deps) petstore cannot be imported: find_spec locates it
+    # without running it, and the migrations are listed where petstore.db reads them.
+    found = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import importlib.util, pathlib; "
+            "where = importlib.util.find_spec('petstore').submodule_search_locations[0]; "
+            "print(*sorted(p.name for p in (pathlib.Path(where) / 'sql').glob('*.sql')))",
+        ],
+        cwd=outside,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert found.stdout.split() == sql_files()

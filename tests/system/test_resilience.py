@@ -14,7 +14,7 @@ import pytest
 import requests
 from flask import Flask
 
-from petstore import auth, config, create_app, db, devserver
+from petstore import auth, config, create_app, db, devserver, migrations
 from tests.support.checks import Answer, assert_error, burst, flask_getter, http_getter
 from tests.support.servers import Gunicorn, ThrowawayPostgres
 
@@ -67,7 +67,7 @@ def throwaway_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Thro
     with ThrowawayPostgres(tmp_path_factory.mktemp("outage") / "pgdata") as cluster:
         devserver.ensure_database(cluster.url(), APP_DBNAME)
         with db.connect(config.from_environ({"DATABASE_URL": cluster.url(APP_DBNAME)})) as conn:
-            db.upgrade(conn)
+            migrations.upgrade(conn)
         yield cluster
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from petstore import auth, config, db
+from petstore import auth, config, db, migrations
 from petstore.ratelimit import storages
 from tests.support.checks import Answer, call
 from tests.support.databases import empty_database
@@ -79,7 +79,7 @@ def topology(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     workdir = tmp_path_factory.mktemp("sentinel")
     with empty_database(database_url, "_sentinel") as url:
         with db.connect(config.from_environ({"DATABASE_URL": url})) as conn:
-            db.upgrade(conn)
+            migrations.upgrade(conn)
         with (
             RedisServer(workdir / "master") as master,
             RedisReplica(workdir / "replica", master.port) as replica,

@@ -17,7 +17,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 from psycopg.rows import dict_row
 
-from petstore import auth, config, create_app, db
+from petstore import auth, config, create_app, db, migrations
 from tests.support.servers import poll_until
 from tests.support.standby import PostgresServer, make_primary, make_standby
 
@@ -52,7 +52,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         with psycopg.connect(primary.url(), autocommit=True) as admin:
             admin.execute("create database petstore")
         with db.connect(config.from_environ({"DATABASE_URL": primary.url("petstore")})) as conn:
-            db.upgrade(conn)
+            migrations.upgrade(conn)
         with make_standby(workdir, primary, f"{APPLY_DELAY_SECONDS}s") as standby:
             yield Pair(primary, standby)
 

@@ -22,7 +22,7 @@ from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.errors import Diagnostic
 
-from petstore import auth, config, create_app, db, devserver
+from petstore import auth, config, create_app, db, devserver, migrations
 from tests.support.checks import assert_error
 from tests.support.servers import ThrowawayPostgres, poll_until
 
@@ -46,7 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThrowawayPostgr
     with ThrowawayPostgres(tmp_path_factory.mktemp("sync") / "pgdata") as cluster:
         devserver.ensure_database(cluster.url(), APP_DBNAME)
         with db.connect(config.from_environ({"DATABASE_URL": cluster.url(APP_DBNAME)})) as conn:
-            db.upgrade(conn)
+            migrations.upgrade(conn)
         yield cluster
 
 

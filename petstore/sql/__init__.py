@@ -1,1 +1,0 @@
-"""The numbered SQL migrations, the package petstore.sql."""
