@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import shlex
+import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from tests.support.servers import LOOPBACK
 # path -> (status, parsed JSON, Link header, raw body)
 Answers = dict[str, tuple[int, Any, str | None, bytes]]
 LOG_DIR = ROOT / "var" / "bench-logs"
+BASELINE_DIR = ROOT / "var" / "bench-baseline"
 GUNICORN_CONFIG = "deploy/gunicorn.conf.py"
 NGINX_CONFIG = "deploy/nginx/petstore.conf"
 SERVICE, FLASK_FLOOR, RAW_FLOOR = "service", "bare-Flask floor", "raw floor"
@@ -51,6 +53,12 @@ class Server:
     worker_class: str = "gthread"
     without: tuple[str, ...] = ()
     nginx: bool = False
+    commit: str = ""  # the service as built at this commit (--baseline), else the work tree's
+
+    @property
+    def name(self) -> str:
+        """The app, and the commit it was built at when it is not the work tree's."""
+        return f"{self.app} @{self.commit}" if self.commit else self.app
 
     @property
     def label(self) -> str:
@@ -58,7 +66,7 @@ class Server:
         storage = f" {self.storage}://" if self.app != RAW_FLOOR else ""
         parts = f" without the {' and the '.join(self.without)}" if self.without else ""
         via = " via nginx" if self.nginx else ""
-        return f"{self.app}{storage} {self.worker_class} {self.workers}×{self.threads}{parts}{via}"
+        return f"{self.name}{storage} {self.worker_class} {self.workers}×{self.threads}{parts}{via}"
 
 
 class BenchGunicorn(DeployedGunicorn):
@@ -69,7 +77,13 @@ class BenchGunicorn(DeployedGunicorn):
     """
 
     def __init__(
-        self, app: list[str], environ: Mapping[str, str], log_path: Path, workers: int, threads: int
+        self,
+        app: list[str],
+        environ: Mapping[str, str],
+        log_path: Path,
+        workers: int,
+        threads: int,
+        tree: Path = ROOT,
     ) -> None:
         super().__init__(
             environ,
@@ -80,6 +94,7 @@ class BenchGunicorn(DeployedGunicorn):
             stop_timeout=30.0,
         )
         self.app = app
+        self.tree = tree  # gunicorn imports the app, and reads its config, from this tree
 
     def command(self) -> list[str]:
         """gunicorn with the deploy config; workers, threads and class come from the environment."""
@@ -87,7 +102,7 @@ class BenchGunicorn(DeployedGunicorn):
 
     def start(self) -> None:
         """Start it with exactly `environ`, and wait (bounded) until every worker is up."""
-        self.launch(self.command(), cwd=ROOT, env={**self.environ, "PYTHONUNBUFFERED": "1"})
+        self.launch(self.command(), cwd=self.tree, env={**self.environ, "PYTHONUNBUFFERED": "1"})
 
     def answers(self) -> bool:
         """/healthz answers 200 and the master has all its workers."""
@@ -168,12 +183,34 @@ def shown_command(server: Server) -> str:
     command = [".venv/bin/python", "-m", "gunicorn", "-c", GUNICORN_CONFIG, *server_app(server)]
     shown = f"DATABASE_URL=<bench database> BIND=127.0.0.1:<port> {' '.join(settings)} "
     shown += shlex.join(command)
+    if server.commit:
+        shown += f"  # in the files of commit {server.commit} (git archive, var/bench-baseline/)"
     if server.nginx:
         shown += (
             f"  # behind nginx: {NGINX_CONFIG} with its upstream server, listen address and "
             f"access log replaced (tests/support/nginx.py), {NGINX_WORKERS} workers"
         )
     return shown
+
+
+def baseline_tree(commit: str) -> Path:
+    """The repository's files at `commit` (git archive), under var/bench-baseline/: the service
+    as it was built then, which gunicorn imports ahead of the work tree's (the working directory
+    comes first on sys.path)."""
+    tree = BASELINE_DIR / commit
+    if not (tree / "wsgi.py").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", commit],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        subprocess.run(
+            ["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True, timeout=120
+        )
+    return tree
 
 
 def start_servers(
@@ -189,7 +226,12 @@ def start_servers(
         env = server_env(server, database_url, redis_url)
         log_name = f"{name}-{server.label}".replace(" ", "-").replace("://", "").replace("×", "x")
         gunicorn = BenchGunicorn(
-            server_app(server), env, LOG_DIR / f"{log_name}.log", server.workers, server.threads
+            server_app(server),
+            env,
+            LOG_DIR / f"{log_name}.log",
+            server.workers,
+            server.threads,
+            baseline_tree(server.commit) if server.commit else ROOT,
         )
         stack.enter_context(gunicorn)
         nginx = None
