@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.measure import Measure, cpu_seconds, process_tree
+from bench.profile import folded_stacks, top_frames
 from bench.report import (
     Run,
     against_baseline,
@@ -236,3 +237,22 @@ def test_the_service_is_reported_against_its_baseline_build_from_the_same_rounds
     assert "| service @abc1234 | 1,000 |" in text  # its own row in the CPU table
     # The floors' table keeps three servers: the baseline has its own.
     assert "| 10,000 | POST /v1/pets | 1,000 | 1,000 | 1,000 | **1.00** (0.90–1.10) |" in text
+
+
+def test_a_profile_gives_each_frame_its_own_and_its_inclusive_share() -> None:
+    lines = [
+        'process 1:"gunicorn";SyncWorker.handle (gunicorn/workers/sync.py);view (a.py) 6',
+        'process 1:"gunicorn";SyncWorker.handle (gunicorn/workers/sync.py);view (a.py);load (b.py) 3',
+        'process 1:"gunicorn";SyncWorker.handle (gunicorn/workers/sync.py);log (c.py) 1',
+        "not a stack line",
+    ]
+
+    samples, own, inclusive = top_frames(folded_stacks(lines), top=3)
+
+    assert samples == 10
+    assert own == [("view (a.py)", 0.6), ("load (b.py)", 0.3), ("log (c.py)", 0.1)]
+    assert inclusive == [
+        ("SyncWorker.handle (gunicorn/workers/sync.py)", 1.0),
+        ("view (a.py)", 0.9),
+        ("load (b.py)", 0.3),
+    ]
