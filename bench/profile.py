@@ -1,6 +1,7 @@
 """Profile one scenario on the production path: py-spy on the gunicorn workers under wrk through nginx.
 
     .venv/bin/python -m bench.profile [--scenario "POST /v1/pets"] [--seconds 20] [--output FILE]
+    .venv/bin/python -m bench.profile --baseline 067a404     # the service as built at a commit
 
 The service as `make bench` serves its headline (redis://, the default serving configuration,
 behind the shipped nginx site) on a scratch database of --size pets; wrk drives the scenario while
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -43,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL") or None)
     parser.add_argument("--scratch-database", default="petstore_bench_profile")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/9", help="emptied first")
+    parser.add_argument(
+        "--baseline", metavar="COMMIT", help="profile the service as built at COMMIT instead"
+    )
     parser.add_argument("--size", type=int, default=10_000, help="pets in the table")
     parser.add_argument("--scenario", default="POST /v1/pets", help="a scenario of make bench")
     parser.add_argument("--seconds", type=int, default=20, help="wrk's and py-spy's duration")
@@ -131,6 +136,8 @@ def main() -> int:
         table = seed(conn, args.size)
         chosen = next(s for s in scenarios(table) if s.name == args.scenario)
         server = PRODUCTION[0]
+        if args.baseline:
+            server = dataclasses.replace(server, commit=args.baseline)
         with contextlib.ExitStack() as stack:
             running = start_servers(stack, (server,), database_url, args.redis_url, "profile")[
                 server
@@ -188,8 +195,10 @@ def main() -> int:
     measure = found[0]
     samples, own, inclusive = top_frames(folded_stacks(folded.read_text().splitlines()))
     header = (
-        f"wrk: {measure.rps:,.0f} req/s, p99 {measure.p99_ms:.2f} ms, app {measure.app_us or 0:,.0f}"
-        f" µs CPU per request (under py-spy, which slows the workers: compare shares, not these)."
+        f"{server.label}, {args.size:,} pets, {args.seconds} s of `{chosen.name}` with "
+        f"{args.connections} connections; wrk: {measure.rps:,.0f} req/s, p99 "
+        f"{measure.p99_ms:.2f} ms, app {measure.app_us or 0:,.0f} µs CPU per request (under "
+        "py-spy, which slows the workers: compare shares, not these)."
     )
     commit = (
         f"createPet's statement alone (one connection, median of 200): {wait_on:,.0f} µs with "

@@ -157,20 +157,21 @@ def comparison(run: Run, servers: tuple[Server, ...]) -> list[str]:
 
 
 def against_baseline(run: Run, servers: tuple[Server, ...]) -> list[str]:
-    """The service against its build at an earlier commit, from the same paired rounds:
-    requests/s and app CPU per request, each the median (min–max) of the rounds' ratios."""
+    """The service against each further server of its group (its build at an earlier commit,
+    or itself with a part switched off), from the same paired rounds: requests/s and app CPU
+    per request, each the median (min–max) of the rounds' ratios."""
     service = servers[0]
     lines = []
-    for baseline in (s for s in servers if s.commit):
+    for baseline in servers[3:]:
         lines += [
-            f"The service against **{baseline.name}** (the same servers' rounds): *req/s ratio* "
-            "is the service's requests/s over the baseline's, round by round; *app CPU ratio* "
-            "the service's app CPU per request over the baseline's, round by round (below 1: the "
+            f"The service against **{baseline.label}** (the same rounds): *req/s ratio* "
+            "is the service's requests/s over the other's, round by round; *app CPU ratio* "
+            "the service's app CPU per request over the other's, round by round (below 1: the "
             "service costs less).",
             "",
-            "| pets | scenario | service req/s | baseline req/s | **req/s ratio** median (min–max) "
-            "| service app µs | baseline app µs | **app CPU ratio** median (min–max) "
-            "| p99 ms service / baseline |",
+            "| pets | scenario | service req/s | other req/s | **req/s ratio** median (min–max) "
+            "| service app µs | other app µs | **app CPU ratio** median (min–max) "
+            "| p99 ms service / other |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for size, name in group_rows(run, servers):

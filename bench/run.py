@@ -429,6 +429,12 @@ def parse_args() -> argparse.Namespace:
         "in the production path's rotation, and report the service against it",
     )
     parser.add_argument(
+        "--commit-wait",
+        action="store_true",
+        help="also serve the service with synchronous_commit off in the production path's "
+        "rotation: what a commit's wait for its WAL flush costs each scenario",
+    )
+    parser.add_argument(
         "--production-only",
         action="store_true",
         help="only the production path (the headline) at the first size: no other group, "
@@ -539,6 +545,8 @@ def bench(args: argparse.Namespace) -> int:
     production = PRODUCTION
     if args.baseline:
         production += (dataclasses.replace(PRODUCTION[0], commit=args.baseline),)
+    if args.commit_wait:
+        production += (dataclasses.replace(PRODUCTION[0], without=("synchronous commit",)),)
     run = Run(sizes=args.sizes[:1] if args.production_only else args.sizes)
     run.groups = [
         (
@@ -595,6 +603,7 @@ def write_report(args: argparse.Namespace, run: Run, facts: dict[str, str]) -> N
         f"--connections {args.connections} --threads {args.threads}"
         + ("" if args.configs else " --no-configs")
         + (f" --baseline {args.baseline}" if args.baseline else "")
+        + (" --commit-wait" if args.commit_wait else "")
         + (" --production-only" if args.production_only else "")
         + "".join(f" --scenario {shlex.quote(name)}" for name in args.scenarios or ())
         + (" --configs-only" if args.configs_only else "    # make bench runs the defaults")

@@ -43,7 +43,8 @@ class Server:
     and whether wrk reaches it through nginx.
 
     `without` switches parts of the service off, to show what they cost: "limiter" (the
-    factory called with RATELIMIT_ENABLED off) and "request log" (PETSTORE_LOG_LEVEL=warning).
+    factory called with RATELIMIT_ENABLED off), "request log" (PETSTORE_LOG_LEVEL=warning) and
+    "synchronous commit" (synchronous_commit off on its connections).
     """
 
     app: str  # SERVICE, FLASK_FLOOR or RAW_FLOOR
@@ -57,16 +58,25 @@ class Server:
 
     @property
     def name(self) -> str:
-        """The app, and the commit it was built at when it is not the work tree's."""
-        return f"{self.app} @{self.commit}" if self.commit else self.app
+        """The app, the commit it was built at (when not the work tree's), the parts it is without."""
+        built = f" @{self.commit}" if self.commit else ""
+        return f"{self.app}{built}{self.parts_off}"
+
+    @property
+    def parts_off(self) -> str:
+        """' without the ...', or ''."""
+        return f" without the {' and the '.join(self.without)}" if self.without else ""
 
     @property
     def label(self) -> str:
         """How the report names it."""
         storage = f" {self.storage}://" if self.app != RAW_FLOOR else ""
-        parts = f" without the {' and the '.join(self.without)}" if self.without else ""
+        built = f" @{self.commit}" if self.commit else ""
         via = " via nginx" if self.nginx else ""
-        return f"{self.name}{storage} {self.worker_class} {self.workers}×{self.threads}{parts}{via}"
+        return (
+            f"{self.app}{built}{storage} {self.worker_class} {self.workers}×{self.threads}"
+            f"{self.parts_off}{via}"
+        )
 
 
 class BenchGunicorn(DeployedGunicorn):
@@ -153,6 +163,10 @@ def server_env(server: Server, database_url: str, redis_url: str) -> dict[str, s
         env["PETSTORE_PROXY_COUNT"] = "1"  # as deployed: the app trusts nginx's one hop
     if "request log" in server.without:
         env["PETSTORE_LOG_LEVEL"] = "warning"  # the request log is written at info
+    if "synchronous commit" in server.without:
+        # libpq passes it to every connection of the pool: a commit no longer waits for its WAL
+        # flush. Only to measure what that wait costs; never a setting to serve with.
+        env["PGOPTIONS"] = "-c synchronous_commit=off"
     return env
 
 
@@ -180,6 +194,8 @@ def shown_command(server: Server) -> str:
         settings.append("PETSTORE_PROXY_COUNT=1")
     if "request log" in server.without:
         settings.append("PETSTORE_LOG_LEVEL=warning")
+    if "synchronous commit" in server.without:
+        settings.append("PGOPTIONS='-c synchronous_commit=off'")
     command = [".venv/bin/python", "-m", "gunicorn", "-c", GUNICORN_CONFIG, *server_app(server)]
     shown = f"DATABASE_URL=<bench database> BIND=127.0.0.1:<port> {' '.join(settings)} "
     shown += shlex.join(command)

@@ -229,7 +229,7 @@ def test_the_service_is_reported_against_its_baseline_build_from_the_same_rounds
     lines = against_baseline(run, servers)
     text = render(run, FACTS, SETTINGS, 60.0, [])
 
-    assert "**service @abc1234**" in lines[0]
+    assert f"**{baseline.label}**" in lines[0]
     row = next(line for line in lines if line.startswith("| 10,000 | POST"))
     assert row.startswith("| 10,000 | POST /v1/pets | 1,000 | 1,000 | **1.00** (0.90–1.10) | 800 ")
     assert "| 1,000 | **0.81** (0.73–0.89) | 9.0 / 9.0 |" in row
