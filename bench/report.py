@@ -47,6 +47,7 @@ class Run:
     pages: dict[int, int] = field(default_factory=dict)
     sizes: list[int] = field(default_factory=list)
     scenario_names: list[str] = field(default_factory=list)
+    size_pair: tuple[Server, ...] = ()  # the service on the small and on the large table
 
 
 # --- numbers -----------------------------------------------------------------------------------
@@ -156,13 +157,16 @@ def comparison(run: Run, servers: tuple[Server, ...]) -> list[str]:
     return lines
 
 
-def against_baseline(run: Run, servers: tuple[Server, ...]) -> list[str]:
+def against_baseline(
+    run: Run, servers: tuple[Server, ...], others: tuple[Server, ...] | None = None
+) -> list[str]:
     """The service against each further server of its group (its build at an earlier commit,
-    or itself with a part switched off), from the same paired rounds: requests/s and app CPU
-    per request, each the median (min–max) of the rounds' ratios."""
+    itself with a part switched off, or on a larger table; by default those after the floors),
+    from the same paired rounds: requests/s and app CPU per request, each the median (min–max)
+    of the rounds' ratios."""
     service = servers[0]
     lines = []
-    for baseline in servers[3:]:
+    for baseline in servers[3:] if others is None else others:
         lines += [
             f"The service against **{baseline.label}** (the same rounds): *req/s ratio* "
             "is the service's requests/s over the other's, round by round; *app CPU ratio* "
@@ -174,7 +178,7 @@ def against_baseline(run: Run, servers: tuple[Server, ...]) -> list[str]:
             "| p99 ms service / other |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for size, name in group_rows(run, servers):
+        for size, name in group_rows(run, (service,)):
             ours = run.rounds.get((size, service.label, name), [])
             theirs = run.rounds.get((size, baseline.label, name), [])
             by_rps, by_cpu = ratio(ours, theirs), cpu_ratio(theirs, ours)
@@ -521,6 +525,26 @@ def size_section(run: Run, settings: dict[str, str]) -> list[str]:
     ]
 
 
+def table_size_section(run: Run) -> list[str]:
+    """The same service on a small and a large table, through nginx, in paired rounds."""
+    if not run.size_pair:
+        return []
+    small, large = run.size_pair
+    return [
+        f"## The same service at {small.pets:,} and {large.pets:,} pets (production path)",
+        "",
+        "Two scratch databases seeded alike, one service on each (through its own nginx, "
+        "redis://), the read scenarios in paired rounds in a rotation. Target: every read at "
+        f"{large.pets:,} pets at least 0.9× the requests/s at {small.pets:,}, that is a "
+        "*req/s ratio* (the smaller table's over the larger's) of at most 1.11. The deep page "
+        "is the one before the last.",
+        "",
+        *against_baseline(run, run.size_pair, (large,)),
+        *cpu_table(run, run.size_pair),
+        "",
+    ]
+
+
 def rss_section(run: Run) -> list[str]:
     """Peak RSS per worker of each server."""
     if not run.rss_kib:
@@ -586,6 +610,7 @@ def render(
         *configs_section(run, settings),
         *budget_section(run),
         *size_section(run, settings),
+        *table_size_section(run),
         *rss_section(run),
         *notes_section(run),
         *plans_section(run),

@@ -348,6 +348,73 @@ def side_by_side(
         say(table, label, name, measures)
 
 
+def table_sizes(
+    args: argparse.Namespace, conn: Conn, server_url: str, database_url: str, key: str, run: Run
+) -> None:
+    """The same service on the first size's table and on --size-comparison's, each through its
+    own nginx, in paired rounds of the read scenarios."""
+    small = seed(conn, min(args.sizes))
+    larger = argparse.Namespace(
+        database_url=server_url, scratch_database=f"{args.scratch_database}_large"
+    )
+    servers = tuple(
+        dataclasses.replace(PRODUCTION[0], pets=size) for size in (small.size, args.size_comparison)
+    )
+    run.size_pair = servers
+    redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
+    with contextlib.ExitStack() as stack:
+        _server_url, large_url, large_key, large_conn = stack.enter_context(bench_database(larger))
+        log(f"seeding {args.size_comparison:,} pets (COPY) beside the {small.size:,}")
+        large = seed(large_conn, args.size_comparison)
+        sides = {
+            servers[0]: (database_url, key, small, conn),
+            servers[1]: (large_url, large_key, large, large_conn),
+        }
+        targets, chosen = {}, {}
+        for server, (url, its_key, table, its_conn) in sides.items():
+            run.commands.setdefault(server.label, shown_command(server))
+            running = start_servers(stack, (server,), url, args.redis_url, str(table.size))[server]
+            env = {
+                **os.environ,
+                "BENCH_KEY": its_key,
+                "BENCH_MIN_ID": str(table.min_id),
+                "BENCH_MAX_ID": str(table.max_id),
+            }
+            targets[server] = Target(running.port, running.app_pids, running.nginx_pids, env)
+            warm_up = Scenario("warm-up", "mixed.lua", "/v1/pets")
+            run_wrk(targets[server], warm_up, args.warmup, args.connections, args.threads)
+            forget_new_pets(its_conn, table)
+            # The deep page: the one before the last, at either size.
+            near_end = dataclasses.replace(table, cursor=table.max_id - 2 * PAGE_LIMIT)
+            chosen[server] = [each for each in scenarios(near_end) if not each.writes]
+        redis_pids = local_redis_pids(args.redis_url)
+        for number in range(args.rounds):
+            log(f"table sizes  round {number + 1} of {args.rounds}")
+            for index in range(len(chosen[servers[0]])):
+                for server in rotation(list(servers), number):
+                    scenario = chosen[server][index]
+                    measure = run_wrk(
+                        targets[server],
+                        scenario,
+                        args.duration,
+                        args.connections,
+                        args.threads,
+                        pool_backends(sides[server][3]),
+                        redis_pids,
+                    )
+                    run.rounds.setdefault((small.size, server.label, scenario.name), []).append(
+                        measure
+                    )
+        for server in servers:
+            for scenario in chosen[server]:
+                say(
+                    small,
+                    server.label,
+                    scenario.name,
+                    run.rounds[(small.size, server.label, scenario.name)],
+                )
+
+
 def check_sizes(
     args: argparse.Namespace, conn: Conn, table: Table, targets: dict[Server, Target], run: Run
 ) -> None:
@@ -433,6 +500,13 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="also serve the service with synchronous_commit off in the production path's "
         "rotation: what a commit's wait for its WAL flush costs each scenario",
+    )
+    parser.add_argument(
+        "--size-comparison",
+        type=int,
+        metavar="PETS",
+        help="also serve the production path's service on a second database of PETS pets beside "
+        "the first size's, and compare the two in paired rounds of the read scenarios",
     )
     parser.add_argument(
         "--production-only",
@@ -571,6 +645,8 @@ def bench(args: argparse.Namespace) -> int:
                 where_the_distance_goes(args, conn, database_url, key, table, run)
                 if args.configs:
                     serving_configs(args, conn, database_url, key, table, run)
+        if args.size_comparison:
+            table_sizes(args, conn, server_url, database_url, key, run)
         if not args.production_only:
             log(f"EXPLAIN (ANALYZE, BUFFERS) of the list queries at {table.size:,} pets")
             run.plans = explain_list_queries(conn, table)
@@ -604,6 +680,7 @@ def write_report(args: argparse.Namespace, run: Run, facts: dict[str, str]) -> N
         + ("" if args.configs else " --no-configs")
         + (f" --baseline {args.baseline}" if args.baseline else "")
         + (" --commit-wait" if args.commit_wait else "")
+        + (f" --size-comparison {args.size_comparison}" if args.size_comparison else "")
         + (" --production-only" if args.production_only else "")
         + "".join(f" --scenario {shlex.quote(name)}" for name in args.scenarios or ())
         + (" --configs-only" if args.configs_only else "    # make bench runs the defaults")

@@ -55,12 +55,18 @@ class Server:
     without: tuple[str, ...] = ()
     nginx: bool = False
     commit: str = ""  # the service as built at this commit (--baseline), else the work tree's
+    pets: int = 0  # the table it serves, when a run has two (the size comparison)
 
     @property
     def name(self) -> str:
         """The app, the commit it was built at (when not the work tree's), the parts it is without."""
         built = f" @{self.commit}" if self.commit else ""
-        return f"{self.app}{built}{self.parts_off}"
+        return f"{self.app}{built}{self.parts_off}{self.table}"
+
+    @property
+    def table(self) -> str:
+        """' at N pets', or '' when the server has the run's one table."""
+        return f" at {self.pets:,} pets" if self.pets else ""
 
     @property
     def parts_off(self) -> str:
@@ -75,7 +81,7 @@ class Server:
         via = " via nginx" if self.nginx else ""
         return (
             f"{self.app}{built}{storage} {self.worker_class} {self.workers}×{self.threads}"
-            f"{self.parts_off}{via}"
+            f"{self.parts_off}{via}{self.table}"
         )
 
 

@@ -256,3 +256,18 @@ def test_a_profile_gives_each_frame_its_own_and_its_inclusive_share() -> None:
         ("view (a.py)", 0.9),
         ("load (b.py)", 0.3),
     ]
+
+
+def test_the_same_service_on_two_table_sizes_has_its_own_section() -> None:
+    small, large = (dataclasses.replace(PRODUCTION[0], pets=size) for size in (10_000, 1_000_000))
+    run = a_run()
+    run.size_pair = (small, large)
+    # 1,000 requests/s at 10,000 pets, 800 at 1,000,000, the same app CPU per round.
+    run.rounds[(10_000, small.label, SCENARIO)] = paced([1000] * 5)
+    run.rounds[(10_000, large.label, SCENARIO)] = paced([800] * 5)
+
+    text = render(run, FACTS, SETTINGS, 60.0, [])
+
+    assert "## The same service at 10,000 and 1,000,000 pets (production path)" in text
+    assert f"**{large.label}**" in text and large.label.endswith(" at 1,000,000 pets")
+    assert f"| 10,000 | {SCENARIO} | 1,000 | 800 | **1.25** (1.25–1.25) |" in text
