@@ -387,6 +387,8 @@ def table_sizes(
             # The deep page: the one before the last, at either size.
             near_end = dataclasses.replace(table, cursor=table.max_id - 2 * PAGE_LIMIT)
             chosen[server] = [each for each in scenarios(near_end) if not each.writes]
+        names = [each.name for each in chosen[servers[0]]]
+        run.scenario_names = list(dict.fromkeys([*run.scenario_names, *names]))
         redis_pids = local_redis_pids(args.redis_url)
         for number in range(args.rounds):
             log(f"table sizes  round {number + 1} of {args.rounds}")
