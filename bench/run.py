@@ -473,7 +473,10 @@ def parse_args() -> argparse.Namespace:
     # many short interleaved rounds moves less than over a few long ones in the same time.
     parser.add_argument("--duration", type=int, default=1, help="seconds per round (default 1)")
     parser.add_argument(
-        "--rounds", type=int, default=8, help="interleaved rounds per scenario (default 8)"
+        "--rounds",
+        type=int,
+        default=8,
+        help=f"paired rounds per scenario, at least {MIN_ROUNDS} (default 8)",
     )
     parser.add_argument("--warmup", type=int, default=2, help="seconds of warm-up per server")
     parser.add_argument("--connections", type=int, default=8, help="wrk connections (default 8)")
