@@ -47,6 +47,7 @@ class Run:
     pages: dict[int, int] = field(default_factory=dict)
     sizes: list[int] = field(default_factory=list)
     scenario_names: list[str] = field(default_factory=list)
+    size_pair: tuple[Server, ...] = ()  # the service on the small and on the large table
 
 
 # --- numbers -----------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ def group_rows(run: Run, servers: tuple[Server, ...]) -> Iterator[tuple[int, str
 
 def comparison(run: Run, servers: tuple[Server, ...]) -> list[str]:
     """Service, bare-Flask floor, raw floor: requests/s, ratios over rounds, p99."""
-    service, flask_floor, raw = servers
+    servers = servers[:3]  # a baseline build has a table of its own (against_baseline)
     lines = [
         "| pets | scenario | service req/s | Flask floor req/s | raw floor req/s "
         "| **service ÷ Flask floor** median (min–max) | halves (moved) | target "
@@ -156,6 +157,42 @@ def comparison(run: Run, servers: tuple[Server, ...]) -> list[str]:
     return lines
 
 
+def against_baseline(
+    run: Run, servers: tuple[Server, ...], others: tuple[Server, ...] | None = None
+) -> list[str]:
+    """The service against each further server of its group (its build at an earlier commit,
+    itself with a part switched off, or on a larger table; by default those after the floors),
+    from the same paired rounds: requests/s and app CPU per request, each the median (min–max)
+    of the rounds' ratios."""
+    service = servers[0]
+    lines = []
+    for baseline in servers[3:] if others is None else others:
+        lines += [
+            f"The service against **{baseline.label}** (the same rounds): *req/s ratio* "
+            "is the service's requests/s over the other's, round by round; *app CPU ratio* "
+            "the service's app CPU per request over the other's, round by round (below 1: the "
+            "service costs less).",
+            "",
+            "| pets | scenario | service req/s | other req/s | **req/s ratio** median (min–max) "
+            "| service app µs | other app µs | **app CPU ratio** median (min–max) "
+            "| p99 ms service / other |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for size, name in group_rows(run, (service,)):
+            ours = run.rounds.get((size, service.label, name), [])
+            theirs = run.rounds.get((size, baseline.label, name), [])
+            by_rps, by_cpu = ratio(ours, theirs), cpu_ratio(theirs, ours)
+            whole, base = combined(ours), combined(theirs)
+            lines.append(
+                f"| {size:,} | {name} | {fmt(whole.rps)} | {fmt(base.rps)} "
+                f"| {by_rps.cell() if by_rps else 'n/a'} | {fmt(whole.app_us)} "
+                f"| {fmt(base.app_us)} | {by_cpu.cell() if by_cpu else 'n/a'} "
+                f"| {fmt(whole.p99_ms, 1)} / {fmt(base.p99_ms, 1)} |"
+            )
+        lines.append("")
+    return lines
+
+
 def cpu_table(run: Run, servers: tuple[Server, ...]) -> list[str]:
     """CPU per request of each server: the app, PostgreSQL, Redis, nginx and the whole machine."""
     lines = [
@@ -177,7 +214,7 @@ def cpu_table(run: Run, servers: tuple[Server, ...]) -> list[str]:
             )
             seconds = this.seconds or 1.0
             lines.append(
-                f"| {size:,} | {name} | {server.app} | {fmt(this.app_us)} | {fmt(this.pg_us)} "
+                f"| {size:,} | {name} | {server.name} | {fmt(this.app_us)} | {fmt(this.pg_us)} "
                 f"| {fmt(this.redis_us)} | {fmt(this.nginx_us)} | {fmt(this.machine_us)} "
                 f"| {by_app.cell() if by_app else ''} | {fmt(by_machine, 2) if by_machine else ''} "
                 f"| {this.wrk_cpu / seconds:.2f} | {this.other_cpu / seconds:.2f} |"
@@ -371,7 +408,9 @@ def introduction(
         "without counting: the physical limit on this stack.",
         "",
         "The floors' answers are compared with the service's first (status, body bytes, Link). "
-        "Ratios are computed round by round: median (min–max) over the rounds; *halves* gives the "
+        "Ratios are paired: each round runs every server once on a scenario, in an order that "
+        "rotates from round to round, and a ratio is the median (min–max) of the rounds' own "
+        "ratios, never a ratio of medians (bench/results/README.rst says why); *halves* gives the "
         "medians of the first and the second half of the rounds and how far apart they are. Pets "
         "that a run creates are deleted after it. Deep page: "
         + ", ".join(f"page {page:,} at {size:,} pets" for size, page in run.pages.items())
@@ -397,10 +436,11 @@ def groups_section(run: Run) -> list[str]:
         out += [
             f"## {title}",
             "",
-            f"{rounds} interleaved rounds.",
+            f"{rounds} paired rounds.",
             "",
             *comparison(run, servers),
             "",
+            *against_baseline(run, servers),
         ]
     return out
 
@@ -485,6 +525,26 @@ def size_section(run: Run, settings: dict[str, str]) -> list[str]:
     ]
 
 
+def table_size_section(run: Run) -> list[str]:
+    """The same service on a small and a large table, through nginx, in paired rounds."""
+    if not run.size_pair:
+        return []
+    small, large = run.size_pair
+    return [
+        f"## The same service at {small.pets:,} and {large.pets:,} pets (production path)",
+        "",
+        "Two scratch databases seeded alike, one service on each (through its own nginx, "
+        "redis://), the read scenarios in paired rounds in a rotation. Target: every read at "
+        f"{large.pets:,} pets at least 0.9× the requests/s at {small.pets:,}, that is a "
+        "*req/s ratio* (the smaller table's over the larger's) of at most 1.11. The deep page "
+        "is the one before the last.",
+        "",
+        *against_baseline(run, run.size_pair, (large,)),
+        *cpu_table(run, run.size_pair),
+        "",
+    ]
+
+
 def rss_section(run: Run) -> list[str]:
     """Peak RSS per worker of each server."""
     if not run.rss_kib:
@@ -550,6 +610,7 @@ def render(
         *configs_section(run, settings),
         *budget_section(run),
         *size_section(run, settings),
+        *table_size_section(run),
         *rss_section(run),
         *notes_section(run),
         *plans_section(run),

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import multiprocessing
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -34,6 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TypeVar
 
 import redis
 
@@ -84,6 +87,10 @@ from bench.servers import (
 )
 
 SIZE_ROUNDS = 5  # at most, of the cost against table size
+# Paired rounds of the headline: fewer leave the median of the rounds' ratios at the mercy of
+# one or two rounds that background load disturbed (bench/results/README.rst).
+MIN_ROUNDS = 5
+T = TypeVar("T")
 
 # deploy/gunicorn.conf.py's default with a shared storage: sync workers, one per core + 1.
 SHARED_WORKERS = multiprocessing.cpu_count() + 1
@@ -122,9 +129,9 @@ CONFIGS = (
 )
 
 
-def scenarios(table: Table) -> list[Scenario]:
-    """The measured scenarios."""
-    return [
+def scenarios(table: Table, only: list[str] | None = None) -> list[Scenario]:
+    """The measured scenarios (those named in `only`, when given)."""
+    every = [
         Scenario("GET /v1/pets?limit=20", "get.lua", "/v1/pets?limit=20"),
         Scenario(
             "GET /v1/pets?limit=100&status=available",
@@ -136,6 +143,10 @@ def scenarios(table: Table) -> list[Scenario]:
         Scenario("POST /v1/pets", "post.lua", "/v1/pets", writes=True),
         Scenario("mixed 80/20 read/write", "mixed.lua", "/v1/pets", writes=True),
     ]
+    unknown = set(only or ()) - {each.name for each in every}
+    if unknown:
+        raise ValueError(f"no such scenario: {', '.join(sorted(unknown))}")
+    return [each for each in every if not only or each.name in only]
 
 
 def size_checks(table: Table) -> list[Scenario]:
@@ -209,12 +220,12 @@ def interleaved(
     rounds: int,
     keep: Callable[[Server, Scenario, Measure], None],
 ) -> None:
-    """`rounds` rounds, each running every scenario on every server in turn."""
+    """`rounds` paired rounds: each runs every scenario on every server once, in turn."""
     redis_pids = local_redis_pids(args.redis_url)
     for number in range(rounds):
         log(f"{table.size:>9,} pets  round {number + 1} of {rounds}")
         for scenario in chosen:
-            for server, target in targets.items():
+            for server, target in rotation(list(targets.items()), number):
                 measure = run_wrk(
                     target,
                     scenario,
@@ -227,6 +238,13 @@ def interleaved(
                 keep(server, scenario, measure)
                 if scenario.writes:
                     forget_new_pets(conn, table)
+
+
+def rotation(servers: list[T], number: int) -> list[T]:
+    """The order of the servers in round `number`: shifted by one each round, so that no server
+    always runs first on a scenario (after the pets of a write scenario were deleted) or last."""
+    shift = number % len(servers) if servers else 0
+    return servers[shift:] + servers[:shift]
 
 
 def say(table: Table, label: str, name: str, measures: list[Measure]) -> None:
@@ -262,8 +280,9 @@ def bench_group(
                     f"{server.label}, {table.size:,} pets, {scenario.name}: {measure.errors} errors"
                 )
 
-        interleaved(args, conn, table, targets, scenarios(table), rounds, keep)
-        for scenario in scenarios(table):
+        chosen = scenarios(table, args.scenarios)
+        interleaved(args, conn, table, targets, chosen, rounds, keep)
+        for scenario in chosen:
             for server in servers:
                 say(
                     table,
@@ -329,6 +348,75 @@ def side_by_side(
         say(table, label, name, measures)
 
 
+def table_sizes(
+    args: argparse.Namespace, conn: Conn, server_url: str, database_url: str, key: str, run: Run
+) -> None:
+    """The same service on the first size's table and on --size-comparison's, each through its
+    own nginx, in paired rounds of the read scenarios."""
+    small = seed(conn, min(args.sizes))
+    larger = argparse.Namespace(
+        database_url=server_url, scratch_database=f"{args.scratch_database}_large"
+    )
+    servers = tuple(
+        dataclasses.replace(PRODUCTION[0], pets=size) for size in (small.size, args.size_comparison)
+    )
+    run.size_pair = servers
+    redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
+    with contextlib.ExitStack() as stack:
+        _server_url, large_url, large_key, large_conn = stack.enter_context(bench_database(larger))
+        log(f"seeding {args.size_comparison:,} pets (COPY) beside the {small.size:,}")
+        large = seed(large_conn, args.size_comparison)
+        sides = {
+            servers[0]: (database_url, key, small, conn),
+            servers[1]: (large_url, large_key, large, large_conn),
+        }
+        targets, chosen = {}, {}
+        for server, (url, its_key, table, its_conn) in sides.items():
+            run.commands.setdefault(server.label, shown_command(server))
+            running = start_servers(stack, (server,), url, args.redis_url, str(table.size))[server]
+            env = {
+                **os.environ,
+                "BENCH_KEY": its_key,
+                "BENCH_MIN_ID": str(table.min_id),
+                "BENCH_MAX_ID": str(table.max_id),
+            }
+            targets[server] = Target(running.port, running.app_pids, running.nginx_pids, env)
+            warm_up = Scenario("warm-up", "mixed.lua", "/v1/pets")
+            run_wrk(targets[server], warm_up, args.warmup, args.connections, args.threads)
+            forget_new_pets(its_conn, table)
+            # The deep page: the one before the last, at either size.
+            near_end = dataclasses.replace(table, cursor=table.max_id - 2 * PAGE_LIMIT)
+            chosen[server] = [each for each in scenarios(near_end) if not each.writes]
+        names = [each.name for each in chosen[servers[0]]]
+        run.scenario_names = list(dict.fromkeys([*run.scenario_names, *names]))
+        redis_pids = local_redis_pids(args.redis_url)
+        for number in range(args.rounds):
+            log(f"table sizes  round {number + 1} of {args.rounds}")
+            for index in range(len(chosen[servers[0]])):
+                for server in rotation(list(servers), number):
+                    scenario = chosen[server][index]
+                    measure = run_wrk(
+                        targets[server],
+                        scenario,
+                        args.duration,
+                        args.connections,
+                        args.threads,
+                        pool_backends(sides[server][3]),
+                        redis_pids,
+                    )
+                    run.rounds.setdefault((small.size, server.label, scenario.name), []).append(
+                        measure
+                    )
+        for server in servers:
+            for scenario in chosen[server]:
+                say(
+                    small,
+                    server.label,
+                    scenario.name,
+                    run.rounds[(small.size, server.label, scenario.name)],
+                )
+
+
 def check_sizes(
     args: argparse.Namespace, conn: Conn, table: Table, targets: dict[Server, Target], run: Run
 ) -> None:
@@ -385,7 +473,10 @@ def parse_args() -> argparse.Namespace:
     # many short interleaved rounds moves less than over a few long ones in the same time.
     parser.add_argument("--duration", type=int, default=1, help="seconds per round (default 1)")
     parser.add_argument(
-        "--rounds", type=int, default=8, help="interleaved rounds per scenario (default 8)"
+        "--rounds",
+        type=int,
+        default=8,
+        help=f"paired rounds per scenario, at least {MIN_ROUNDS} (default 8)",
     )
     parser.add_argument("--warmup", type=int, default=2, help="seconds of warm-up per server")
     parser.add_argument("--connections", type=int, default=8, help="wrk connections (default 8)")
@@ -402,6 +493,38 @@ def parse_args() -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="run the serving configurations table through nginx (default: on)",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="COMMIT",
+        help="also serve the service as built at COMMIT (git archive into var/bench-baseline/) "
+        "in the production path's rotation, and report the service against it",
+    )
+    parser.add_argument(
+        "--commit-wait",
+        action="store_true",
+        help="also serve the service with synchronous_commit off in the production path's "
+        "rotation: what a commit's wait for its WAL flush costs each scenario",
+    )
+    parser.add_argument(
+        "--size-comparison",
+        type=int,
+        metavar="PETS",
+        help="also serve the production path's service on a second database of PETS pets beside "
+        "the first size's, and compare the two in paired rounds of the read scenarios",
+    )
+    parser.add_argument(
+        "--production-only",
+        action="store_true",
+        help="only the production path (the headline) at the first size: no other group, "
+        "distance, configurations, plans or in-process budget",
+    )
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        dest="scenarios",
+        metavar="NAME",
+        help="only this scenario (its name as the report gives it; repeat for more; default: all)",
     )
     parser.add_argument(
         "--configs-only",
@@ -427,9 +550,13 @@ def parse_args() -> argparse.Namespace:
         "--output", type=Path, default=ROOT / "bench" / "results", help="report directory"
     )
     args = parser.parse_args()
-    counts = (args.duration, args.warmup, args.rounds, args.second_rounds, args.config_rounds)
+    counts = (args.duration, args.warmup, args.second_rounds, args.config_rounds)
     if min(counts) < 1:
-        parser.error("--duration, --warmup, --rounds, --second-rounds, --config-rounds: at least 1")
+        parser.error("--duration, --warmup, --second-rounds, --config-rounds: at least 1")
+    if args.rounds < MIN_ROUNDS:
+        parser.error(
+            f"--rounds: at least {MIN_ROUNDS} (paired rounds, see bench/results/README.rst)"
+        )
     if min(args.sizes) < 2 * PAGE_LIMIT:
         parser.error(f"--sizes: at least {2 * PAGE_LIMIT} pets")
     return args
@@ -494,34 +621,42 @@ def bench(args: argparse.Namespace) -> int:
     """Set up, measure, write the report; stop what was started, however it ends."""
     for program in ("wrk", "nginx"):
         ensure_program(program)
-    run = Run(sizes=args.sizes)
+    production = PRODUCTION
+    if args.baseline:
+        production += (dataclasses.replace(PRODUCTION[0], commit=args.baseline),)
+    if args.commit_wait:
+        production += (dataclasses.replace(PRODUCTION[0], without=("synchronous commit",)),)
+    run = Run(sizes=args.sizes[:1] if args.production_only else args.sizes)
     run.groups = [
         (
             f"production path: nginx, redis:// — {PRODUCTION[0].label} against the floors",
-            PRODUCTION,
+            production,
         ),
         (f"redis:// straight to gunicorn — {REDIS[0].label} against the floors", REDIS),
         (f"memory:// — {MEMORY[0].label} against the floors", MEMORY),
-    ]
+    ][: 1 if args.production_only else None]
     with bench_database(args) as (server_url, database_url, key, conn):
-        for size in args.sizes:
+        for size in run.sizes:
             log(f"seeding {size:,} pets (COPY)")
             table = seed(conn, size)
             run.pages[size] = table.page
-            run.scenario_names = [s.name for s in scenarios(table)]
+            run.scenario_names = [s.name for s in scenarios(table, args.scenarios)]
             first = size == min(args.sizes)
             for _title, servers in run.groups if first else run.groups[-1:]:
-                headline = servers == PRODUCTION or (first and servers == MEMORY)
+                headline = servers == production or (first and servers == MEMORY)
                 rounds = args.rounds if headline else args.second_rounds
                 bench_group(args, conn, database_url, key, table, servers, rounds, run)
-            if first:
+            if first and not args.production_only:
                 where_the_distance_goes(args, conn, database_url, key, table, run)
                 if args.configs:
                     serving_configs(args, conn, database_url, key, table, run)
-        log(f"EXPLAIN (ANALYZE, BUFFERS) of the list queries at {table.size:,} pets")
-        run.plans = explain_list_queries(conn, table)
-        seed(conn, min(args.sizes))
-        run.budget = budget(args, database_url, key)
+        if args.size_comparison:
+            table_sizes(args, conn, server_url, database_url, key, run)
+        if not args.production_only:
+            log(f"EXPLAIN (ANALYZE, BUFFERS) of the list queries at {table.size:,} pets")
+            run.plans = explain_list_queries(conn, table)
+            seed(conn, min(args.sizes))
+            run.budget = budget(args, database_url, key)
         facts = machine_facts(conn, args.database_url)
     if not any("unlike the service" in note or "other bytes" in note for note in run.notes):
         run.notes.insert(
@@ -548,6 +683,11 @@ def write_report(args: argparse.Namespace, run: Run, facts: dict[str, str]) -> N
         f"--config-rounds {args.config_rounds} --warmup {args.warmup} "
         f"--connections {args.connections} --threads {args.threads}"
         + ("" if args.configs else " --no-configs")
+        + (f" --baseline {args.baseline}" if args.baseline else "")
+        + (" --commit-wait" if args.commit_wait else "")
+        + (f" --size-comparison {args.size_comparison}" if args.size_comparison else "")
+        + (" --production-only" if args.production_only else "")
+        + "".join(f" --scenario {shlex.quote(name)}" for name in args.scenarios or ())
         + (" --configs-only" if args.configs_only else "    # make bench runs the defaults")
     )
     settings = {

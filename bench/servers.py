@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import shlex
+import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from tests.support.servers import LOOPBACK
 # path -> (status, parsed JSON, Link header, raw body)
 Answers = dict[str, tuple[int, Any, str | None, bytes]]
 LOG_DIR = ROOT / "var" / "bench-logs"
+BASELINE_DIR = ROOT / "var" / "bench-baseline"
 GUNICORN_CONFIG = "deploy/gunicorn.conf.py"
 NGINX_CONFIG = "deploy/nginx/petstore.conf"
 SERVICE, FLASK_FLOOR, RAW_FLOOR = "service", "bare-Flask floor", "raw floor"
@@ -41,7 +43,8 @@ class Server:
     and whether wrk reaches it through nginx.
 
     `without` switches parts of the service off, to show what they cost: "limiter" (the
-    factory called with RATELIMIT_ENABLED off) and "request log" (PETSTORE_LOG_LEVEL=warning).
+    factory called with RATELIMIT_ENABLED off), "request log" (PETSTORE_LOG_LEVEL=warning) and
+    "synchronous commit" (synchronous_commit off on its connections).
     """
 
     app: str  # SERVICE, FLASK_FLOOR or RAW_FLOOR
@@ -51,14 +54,35 @@ class Server:
     worker_class: str = "gthread"
     without: tuple[str, ...] = ()
     nginx: bool = False
+    commit: str = ""  # the service as built at this commit (--baseline), else the work tree's
+    pets: int = 0  # the table it serves, when a run has two (the size comparison)
+
+    @property
+    def name(self) -> str:
+        """The app, the commit it was built at (when not the work tree's), the parts it is without."""
+        built = f" @{self.commit}" if self.commit else ""
+        return f"{self.app}{built}{self.parts_off}{self.table}"
+
+    @property
+    def table(self) -> str:
+        """' at N pets', or '' when the server has the run's one table."""
+        return f" at {self.pets:,} pets" if self.pets else ""
+
+    @property
+    def parts_off(self) -> str:
+        """' without the ...', or ''."""
+        return f" without the {' and the '.join(self.without)}" if self.without else ""
 
     @property
     def label(self) -> str:
         """How the report names it."""
         storage = f" {self.storage}://" if self.app != RAW_FLOOR else ""
-        parts = f" without the {' and the '.join(self.without)}" if self.without else ""
+        built = f" @{self.commit}" if self.commit else ""
         via = " via nginx" if self.nginx else ""
-        return f"{self.app}{storage} {self.worker_class} {self.workers}×{self.threads}{parts}{via}"
+        return (
+            f"{self.app}{built}{storage} {self.worker_class} {self.workers}×{self.threads}"
+            f"{self.parts_off}{via}{self.table}"
+        )
 
 
 class BenchGunicorn(DeployedGunicorn):
@@ -69,7 +93,13 @@ class BenchGunicorn(DeployedGunicorn):
     """
 
     def __init__(
-        self, app: list[str], environ: Mapping[str, str], log_path: Path, workers: int, threads: int
+        self,
+        app: list[str],
+        environ: Mapping[str, str],
+        log_path: Path,
+        workers: int,
+        threads: int,
+        tree: Path = ROOT,
     ) -> None:
         super().__init__(
             environ,
@@ -80,6 +110,7 @@ class BenchGunicorn(DeployedGunicorn):
             stop_timeout=30.0,
         )
         self.app = app
+        self.tree = tree  # gunicorn imports the app, and reads its config, from this tree
 
     def command(self) -> list[str]:
         """gunicorn with the deploy config; workers, threads and class come from the environment."""
@@ -87,7 +118,7 @@ class BenchGunicorn(DeployedGunicorn):
 
     def start(self) -> None:
         """Start it with exactly `environ`, and wait (bounded) until every worker is up."""
-        self.launch(self.command(), cwd=ROOT, env={**self.environ, "PYTHONUNBUFFERED": "1"})
+        self.launch(self.command(), cwd=self.tree, env={**self.environ, "PYTHONUNBUFFERED": "1"})
 
     def answers(self) -> bool:
         """/healthz answers 200 and the master has all its workers."""
@@ -138,6 +169,10 @@ def server_env(server: Server, database_url: str, redis_url: str) -> dict[str, s
         env["PETSTORE_PROXY_COUNT"] = "1"  # as deployed: the app trusts nginx's one hop
     if "request log" in server.without:
         env["PETSTORE_LOG_LEVEL"] = "warning"  # the request log is written at info
+    if "synchronous commit" in server.without:
+        # libpq passes it to every connection of the pool: a commit no longer waits for its WAL
+        # flush. Only to measure what that wait costs; never a setting to serve with.
+        env["PGOPTIONS"] = "-c synchronous_commit=off"
     return env
 
 
@@ -165,15 +200,39 @@ def shown_command(server: Server) -> str:
         settings.append("PETSTORE_PROXY_COUNT=1")
     if "request log" in server.without:
         settings.append("PETSTORE_LOG_LEVEL=warning")
+    if "synchronous commit" in server.without:
+        settings.append("PGOPTIONS='-c synchronous_commit=off'")
     command = [".venv/bin/python", "-m", "gunicorn", "-c", GUNICORN_CONFIG, *server_app(server)]
     shown = f"DATABASE_URL=<bench database> BIND=127.0.0.1:<port> {' '.join(settings)} "
     shown += shlex.join(command)
+    if server.commit:
+        shown += f"  # in the files of commit {server.commit} (git archive, var/bench-baseline/)"
     if server.nginx:
         shown += (
             f"  # behind nginx: {NGINX_CONFIG} with its upstream server, listen address and "
             f"access log replaced (tests/support/nginx.py), {NGINX_WORKERS} workers"
         )
     return shown
+
+
+def baseline_tree(commit: str) -> Path:
+    """The repository's files at `commit` (git archive), under var/bench-baseline/: the service
+    as it was built then, which gunicorn imports ahead of the work tree's (the working directory
+    comes first on sys.path)."""
+    tree = BASELINE_DIR / commit
+    if not (tree / "wsgi.py").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", commit],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        subprocess.run(
+            ["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True, timeout=120
+        )
+    return tree
 
 
 def start_servers(
@@ -189,7 +248,12 @@ def start_servers(
         env = server_env(server, database_url, redis_url)
         log_name = f"{name}-{server.label}".replace(" ", "-").replace("://", "").replace("×", "x")
         gunicorn = BenchGunicorn(
-            server_app(server), env, LOG_DIR / f"{log_name}.log", server.workers, server.threads
+            server_app(server),
+            env,
+            LOG_DIR / f"{log_name}.log",
+            server.workers,
+            server.threads,
+            baseline_tree(server.commit) if server.commit else ROOT,
         )
         stack.enter_context(gunicorn)
         nginx = None

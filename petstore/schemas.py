@@ -77,6 +77,38 @@ class NewPetSchema(Schema):
     )
 
 
+NEW_PET_KEYS = frozenset(("name", "categoryId", "status"))
+
+
+def plain_new_pet(data: Any) -> dict[str, Any] | None:
+    """A NewPet body of the common shape loaded without marshmallow, else None (load it then).
+
+    What NewPetSchema.load gives for the bodies clients send (an ASCII name, an int
+    categoryId, a known status or none), at a tenth of its cost, which was a create's largest
+    own cost; anything else (an error, a non-ASCII name) goes through the schema, which stays
+    the one definition of a valid NewPet (tests/app/test_schemas.py compares both).
+    """
+    if type(data) is not dict or not data.keys() <= NEW_PET_KEYS:
+        return None
+    name = data.get("name")
+    category_id = data.get("categoryId")
+    if (
+        type(name) is not str
+        or not name
+        or not name.isascii()
+        or "\x00" in name
+        or type(category_id) is not int
+        or not INT64_MIN <= category_id <= INT64_MAX
+    ):
+        return None
+    if "status" not in data:
+        return {"name": name, "category_id": category_id}
+    status = data["status"]
+    if type(status) is not str or status not in PET_STATUSES:
+        return None
+    return {"name": name, "category_id": category_id, "status": status}
+
+
 class PetSchema(Schema):
     """A Pet as the service returns it; a status that was never stated is left out.
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from flask import Response, current_app, g, json, request
+from flask import Response, current_app, g, request
 from gunicorn.http.errors import ParseException
 from marshmallow import Schema, ValidationError
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, UnsupportedMediaType
@@ -65,16 +66,17 @@ def capped_body() -> bytes:
     its framing is broken."""
     # gunicorn takes "gzip, chunked" for chunked and hands on the bytes undecoded; nginx refuses
     # any coding but chunked. Refuse it here too, so that both layers agree.
-    coding = request.headers.get("Transfer-Encoding")
+    req = request._get_current_object()  # type: ignore[attr-defined]
+    coding = req.environ.get("HTTP_TRANSFER_ENCODING")
     if coding is not None and coding.strip().lower() != "chunked":
         raise APIError(400, "The Transfer-Encoding of the request is not supported.")
     try:
-        data = request.get_data(cache=False)
-        cap = request.max_content_length
+        data: bytes = req.get_data(cache=False)
         # Without a Content-Length (chunked), werkzeug stops reading at the cap without
         # complaint: a byte left unread means the body was longer.
-        if request.content_length is None and cap is not None and len(data) >= cap:
-            if request.input_stream.read(1):
+        if req.content_length is None:
+            cap = req.max_content_length
+            if cap is not None and len(data) >= cap and req.input_stream.read(1):
                 raise RequestEntityTooLarge()
     except MALFORMED_BODY:
         raise APIError(
@@ -89,6 +91,8 @@ def json_body() -> Any:
         raise UnsupportedMediaType()
     data = request_body()
     try:
+        # The standard library's, as Flask's default JSON provider calls it, without the
+        # provider lookup on the application context.
         return json.loads(data)
     except ValueError:
         raise APIError(400, "The request body is not valid JSON.") from None

@@ -36,8 +36,11 @@ def commit_before_newest_migration() -> tuple[str, str]:
             "newest migration, so it needs the history (git fetch --unshallow)"
         )
     newest = migrations.migrations()[-1].name
-    # --follow: the commit that first added the file, through the move to sql/.
-    added = git("log", "--follow", "--diff-filter=A", "--format=%H", "--", f"sql/{newest}")
+    # The commit that first added the file, in sql/ or where the migrations lived before
+    # (petstore/sql/): not --follow, which loses a file that a merge moved.
+    added = git(
+        "log", "--diff-filter=A", "--format=%H", "--", f"sql/{newest}", f"petstore/sql/{newest}"
+    )
     if not added:
         return git("rev-parse", "HEAD"), newest  # not committed yet: HEAD is the code before it
     return git("rev-parse", f"{added.splitlines()[-1]}^"), newest

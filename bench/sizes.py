@@ -1,0 +1,134 @@
+"""PostgreSQL's CPU per read at two table sizes, in paired rounds: is a read's cost flat?
+
+    .venv/bin/python -m bench.sizes [--sizes 10000,1000000] [--rounds 5] [--calls 3000]
+
+Two scratch databases, seeded with each size (database.seed: COPY, then vacuum analyze); one
+connection to each. Each round runs every read's query function `--calls` times on each size in
+turn (the order rotating each round) and takes the CPU its backend spent from /proc; the ratio
+reported is the median (min–max) of the rounds' larger ÷ smaller. Then EXPLAIN (ANALYZE, BUFFERS)
+of each at both sizes, and the size of the pets relations against shared_buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from bench.database import Conn, Table, bench_database, explain, seed
+from bench.measure import cpu_seconds, log
+from bench.run import rotation
+from petstore.queries import pets
+
+
+def reads(table: Table) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+    """Each read scenario's query function and arguments at this size (the deep page: `after`
+    near the end of the table)."""
+    return {
+        "GET /v1/pets?limit=20": (pets.list_pets, {"after": 0, "limit": 20}),
+        "GET /v1/pets?limit=100&status=available": (
+            pets.list_pets_by_status,
+            {"status": "available", "after": 0, "limit": 100},
+        ),
+        "deep page (after near the end)": (
+            pets.list_pets,
+            {"after": table.max_id - 40, "limit": 20},
+        ),
+        "GET /v1/pets/{id}": (pets.find_pet, {"pet_id": (table.min_id + table.max_id) // 2}),
+    }
+
+
+def backend_pid(conn: Conn) -> int:
+    """The pid of the connection's backend (this machine's PostgreSQL)."""
+    row = conn.execute("select pg_backend_pid() as pid").fetchone()
+    assert row is not None
+    return int(row["pid"])
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.sizes", description=(__doc__ or "").splitlines()[0]
+    )
+    parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL") or None)
+    parser.add_argument("--scratch-database", default="petstore_bench_sizes")
+    parser.add_argument(
+        "--sizes",
+        default=[10_000, 1_000_000],
+        type=lambda text: sorted(int(each) for each in text.split(",")),
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    # /proc counts CPU in clock ticks (10 ms): 3,000 calls resolve 3.3 µs per call.
+    parser.add_argument("--calls", type=int, default=3000, help="calls per read, size and round")
+    args = parser.parse_args()
+    if len(args.sizes) != 2 or args.rounds < 5:
+        parser.error("two --sizes, and at least 5 --rounds")
+    return args
+
+
+def main() -> int:
+    """Seed both sizes, measure in paired rounds, print the table and the plans."""
+    args = parse_args()
+    with contextlib.ExitStack() as stack:
+        conns: dict[int, Conn] = {}
+        tables: dict[int, Table] = {}
+        for size in args.sizes:
+            scratch = argparse.Namespace(
+                database_url=args.database_url, scratch_database=f"{args.scratch_database}_{size}"
+            )
+            _server, _url, _key, conn = stack.enter_context(bench_database(scratch))
+            log(f"seeding {size:,} pets (COPY)")
+            tables[size], conns[size] = seed(conn, size), conn
+            conn.prepare_threshold = 0  # prepared at once, as the pool's statements soon are
+        cpu: dict[tuple[str, int], list[float]] = {}
+        for number in range(args.rounds + 1):
+            for size in rotation(args.sizes, number):
+                conn, pid = conns[size], backend_pid(conns[size])
+                for name, (query, kwargs) in reads(tables[size]).items():
+                    before = cpu_seconds([pid])
+                    for _ in range(args.calls):
+                        query(conn, **kwargs)
+                    spent = (cpu_seconds([pid]) - before) / args.calls * 1e6
+                    if number:  # the first round warms the caches up
+                        cpu.setdefault((name, size), []).append(spent)
+        small, large = args.sizes
+        print(
+            f"\n| read | PostgreSQL µs per call at {small:,} | at {large:,} "
+            f"| **{large:,} ÷ {small:,}** median (min–max) of the rounds |"
+        )
+        print("|---|---:|---:|---:|")
+        for name in reads(tables[small]):
+            ratios = [
+                b / a for a, b in zip(cpu[(name, small)], cpu[(name, large)], strict=True) if a
+            ]
+            print(
+                f"| {name} | {statistics.median(cpu[(name, small)]):,.0f} "
+                f"| {statistics.median(cpu[(name, large)]):,.0f} | **{statistics.median(ratios):.2f}**"
+                f" ({min(ratios):.2f}–{max(ratios):.2f}) |"
+            )
+        for size in args.sizes:
+            row = (
+                conns[size]
+                .execute(
+                    "select pg_size_pretty(pg_total_relation_size('pets')) as pets, "
+                    "current_setting('shared_buffers') as shared_buffers"
+                )
+                .fetchone()
+            )
+            assert row is not None
+            print(
+                f"\n{size:,} pets: the table with its indexes is {row['pets']} "
+                f"(shared_buffers {row['shared_buffers']})"
+            )
+            for name, (query, kwargs) in reads(tables[size]).items():
+                _text, plan = explain(conns[size], query, **kwargs)
+                print(f"\n{name}, {size:,} pets:\n\n    " + plan.replace("\n", "\n    "))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
