@@ -193,7 +193,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_STAGING_BASE_URL": ("STAGING_BASE_URL", _http_url, None),
     "RATELIMIT_STORAGE_URI": ("RATELIMIT_STORAGE_URI", _storage_uri, "memory://"),
     "PETSTORE_RATELIMIT_STRATEGY": ("RATELIMIT_STRATEGY", _strategy, "fixed-window"),
-    # Off: the limits library's own storages instead of petstore.storages (the bench compares).
+    # Off: the limits library's own storages instead of petstore.ratelimit.storages (the bench compares).
     "PETSTORE_RATELIMIT_TUNED_STORAGES": ("RATELIMIT_TUNED_STORAGES", _switch, True),
     "PETSTORE_IP_LIMITS": ("IP_LIMITS", _limits, "60/minute;1000/day"),
     "PETSTORE_ANONYMOUS_CLIENTS": ("ANONYMOUS_CLIENTS", _int(1), 10_000),
