@@ -11,6 +11,7 @@ from flask import Blueprint, Response, current_app
 from petstore.auth import public
 from petstore.db import get_pool
 from petstore.errors import error_response
+from petstore.web import json_response
 
 bp = Blueprint("health", __name__)
 log = logging.getLogger(__name__)
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 @public
 def healthz() -> Response:
     """The process is alive and answering."""
-    return current_app.response_class('{"status":"ok"}', mimetype="application/json")
+    return json_response('{"status":"ok"}')
 
 
 def postgres_answers() -> None:
@@ -68,7 +69,4 @@ def readyz() -> Response:
             f"Not ready: {', '.join(failed)} did not answer within {timeout} s.",
             {"Retry-After": str(app.config["RETRY_AFTER"])},
         )
-    return current_app.response_class(
-        '{"status":"ready","checks":{"postgres":"ok","ratelimit_storage":"ok"}}',
-        mimetype="application/json",
-    )
+    return json_response('{"status":"ready","checks":{"postgres":"ok","ratelimit_storage":"ok"}}')
