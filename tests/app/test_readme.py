@@ -308,3 +308,17 @@ def test_every_pointer_to_the_manual_names_a_heading_that_exists() -> None:
     assert len(pointers) >= 10
     assert [p for p in pointers if p[2] not in titles.get(p[1], set())] == []
     assert loose == []
+
+
+def test_every_code_block_names_its_language() -> None:
+    """No bare `::` literal block in the README or the manual: each is a code-block with its
+    language (console, bash, nginx, text...), so the manual highlights it as that."""
+    bare = [
+        (path.name, number)
+        for path, text in manual().items()
+        for number, line in enumerate(text.splitlines(), 1)
+        if line.rstrip().endswith("::") and not line.lstrip().startswith("..")
+    ]
+    unnamed = re.findall(r"^\s*\.\. (?:code-block|code|sourcecode)::\s*$", all_docs(), re.M)
+    assert bare == []
+    assert unnamed == []
