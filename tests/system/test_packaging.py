@@ -178,7 +178,8 @@ def test_installed_wsgi_app_serves_the_api(
         "created = client.post('/v1/pets', json={'name': 'Rex', 'categoryId': 1}, headers=headers)\n"
         "listed = client.get('/v1/pets', headers=headers)\n"
         "print(created.status_code, listed.status_code)\n"
-        "print(listed.get_data(as_text=True))\n"
+        # The body ends with its own newline.
+        "print(listed.get_data(as_text=True), end='')\n"
     )
     result = run(venv, outside, "python", "-c", script, key, DATABASE_URL=fresh_database_url)
 
