@@ -12,7 +12,7 @@ export BIND
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
 
-$(VENV)/.installed: setup.py setup.cfg
+$(VENV)/.installed: pyproject.toml setup.py setup.cfg
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[embedded,test,dev,docs]'

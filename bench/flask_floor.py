@@ -88,7 +88,7 @@ def error(
 ) -> Response:
     """An Error JSON response."""
     body = json.dumps({"code": code, "message": message, "status": status})
-    return Response(body, status, headers=dict(headers or {}), mimetype="application/json")
+    return Response(body + "\n", status, headers=dict(headers or {}), mimetype="application/json")
 
 
 def count(caller: dict[str, Any]) -> None:
@@ -176,7 +176,7 @@ def list_pets() -> Response:
         if status is not None:
             params["status"] = status
         headers["Link"] = f'</v1/pets?{urlencode(params)}>; rel="next"'
-    return Response(page["pets"], headers=headers, mimetype="application/json")
+    return Response(page["pets"] + "\n", headers=headers, mimetype="application/json")
 
 
 def create_pet() -> Response:
@@ -196,7 +196,7 @@ def create_pet() -> Response:
         status=new_pet.get("status"),
     )
     headers = {"Location": f"/v1/pets/{row['id']}"}
-    return Response(row["pet"], 201, headers=headers, mimetype="application/json")
+    return Response(row["pet"] + "\n", 201, headers=headers, mimetype="application/json")
 
 
 def get_pet(pet_id: str) -> Response:
@@ -212,12 +212,12 @@ def get_pet(pet_id: str) -> Response:
         pet = pets.find_pet(g.conn, int(pet_id))
     if pet is None:
         raise Refused(404, "not_found", "No pet with this id.", headers)
-    return Response(pet, headers=headers, mimetype="application/json")
+    return Response(pet + "\n", headers=headers, mimetype="application/json")
 
 
 def healthz() -> Response:
     """Up."""
-    return Response('{"status": "ok"}', mimetype="application/json")
+    return Response('{"status": "ok"}\n', mimetype="application/json")
 
 
 def refused(exc: Refused) -> Response:

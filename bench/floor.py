@@ -35,7 +35,8 @@ def respond(
     body: bytes,
     headers: list[tuple[str, str]] | None = None,
 ) -> list[bytes]:
-    """Start a JSON response with a Content-Length, as the service sends."""
+    """Start a JSON response with a Content-Length, as the service sends (a newline at its end)."""
+    body += b"\n"
     start_response(
         status,
         [

@@ -173,7 +173,8 @@ def whole_stack(workdir: Path) -> Iterator[Stack]:
         stack.callback(cluster.stop)
         cluster.start()
         with cluster.connect() as conn:
-            # Behind a transaction pooler the timeout is the database's (README, PgBouncer).
+            # Behind a transaction pooler the timeout is the database's
+            # (docs/deploying.rst, "Behind PgBouncer (transaction pooling)").
             db.pin_statement_timeout(conn, STATEMENT_TIMEOUT_MS)
         bouncers = {
             node.node: stack.enter_context(

@@ -8,6 +8,7 @@ the command line. No --preload: each worker opens its own PostgreSQL pool after 
 
 from __future__ import annotations
 
+import atexit
 import glob
 import multiprocessing
 import os
@@ -19,9 +20,9 @@ from typing import Any
 
 # PROMETHEUS_MULTIPROC_DIR: where the workers write their metrics for GET /metrics to sum
 # (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own
-# and removes it on exit; several instances on one host need one directory each. Set first, before
-# petstore is imported (below, for the settings check): prometheus_client reads it once, on
-# import, and the workers inherit it.
+# and removes it however it exits (below); several instances on one host need one directory each.
+# Set first, before petstore is imported (below, for the settings check): prometheus_client reads
+# it once, on import, and the workers inherit it.
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="petstore-metrics-")
     # Remembered in the environment: a reload (SIGHUP) reads this file again.
@@ -32,6 +33,18 @@ from petstore import migrations as _migrations
 from petstore import overrides
 
 _env = os.environ.get
+
+
+def _remove_own_metrics_dir(directory: str, master: int) -> None:
+    """Remove the metrics directory the master made, when the master exits."""
+    # The workers are forks that exit through sys.exit too: only the master removes it.
+    if os.getpid() == master:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# However the master exits: a refused setting (below), a port in use, SIGTERM.
+if os.environ.get("PETSTORE_OWN_METRICS_DIR") == os.environ["PROMETHEUS_MULTIPROC_DIR"]:
+    atexit.register(_remove_own_metrics_dir, os.environ["PROMETHEUS_MULTIPROC_DIR"], os.getpid())
 
 
 def _refuse(message: str) -> None:
@@ -183,10 +196,3 @@ def child_exit(server: Any, worker: Any) -> None:
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])
-
-
-def on_exit(server: Any) -> None:
-    """Remove the metrics directory the master made itself."""
-    directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
-    if os.environ.get("PETSTORE_OWN_METRICS_DIR") == directory:
-        shutil.rmtree(directory, ignore_errors=True)

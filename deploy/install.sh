@@ -4,13 +4,15 @@
 # petstore (which may read the code, not change it, and writes only PETSTORE_STATE_DIR), one request.
 # Run from the checkout, as root on Debian with PostgreSQL on this machine:
 #     apt-get install -y python3-venv postgresql curl openssl && bash deploy/install.sh
-# Safe to run again: the role keeps its password, and a gunicorn it started is stopped and started
-# again with the new settings. Settings, all optional:
+# Safe to run again: the role keeps its password, the first key is kept (beside the environment
+# file, root's alone) while the database knows it live, and a gunicorn it started is stopped and
+# started again with the new settings. Settings, all optional:
 #   PETSTORE_DB         name of the role and of the database (petstore)
 #   PETSTORE_DB_HOST    PETSTORE_DB_PORT: where PostgreSQL listens (127.0.0.1, 5432)
 #   PG_ADMIN_URL        a superuser's libpq URL (default: the postgres account, local socket)
 #   BIND                gunicorn's address (127.0.0.1:8000)
-#   PETSTORE_ENV        the service's environment file, written here (/etc/petstore.env)
+#   PETSTORE_ENV        the service's environment file, written here (/etc/petstore.env); the
+#                       first key is kept beside it, its .env replaced by .key (/etc/petstore.key)
 #   PETSTORE_STATE_DIR  gunicorn's pid file and log (/var/lib/petstore)
 #   PETSTORE_VENV       the virtualenv, created when it has no petstore command (.venv)
 #   PETSTORE_USER       the system user the service runs as, created when missing (petstore)
@@ -26,6 +28,7 @@ state=${PETSTORE_STATE_DIR:-/var/lib/petstore}
 venv=${PETSTORE_VENV:-.venv}
 user=${PETSTORE_USER:-petstore}
 pid_file=$state/gunicorn.pid
+key_file=${env_file%.env}.key
 
 as_user() {
     setpriv --reuid="$user" --regid="$user" --init-groups "$@"
@@ -94,9 +97,23 @@ set -a
 . "$env_file"
 set +a
 
-echo "== 5. the migrations, and a first key in \$KEY"
+echo "== 5. the migrations, and a first key in \$KEY, kept in $key_file"
 "$venv/bin/petstore" db upgrade
-KEY=$("$venv/bin/petstore" keys create --plan free --label first | tail -n 1)
+# A re-run keeps the key of an earlier run while the database lists it live (by its prefix),
+# rather than adding another `first` key beside it.
+KEY=""
+key_id=""
+if [ -s "$key_file" ]; then
+    KEY=$(cat "$key_file")
+    key_id=$("$venv/bin/petstore" keys list | awk -v prefix="${KEY:0:11}" '$2 == prefix && $6 == "live" { print $1 }')
+fi
+if [ -n "$key_id" ]; then
+    echo "the first key of an earlier run, kept: key $key_id; to replace it, run" \
+        "\`$venv/bin/petstore keys rotate $key_id\` and write the key it prints to $key_file"
+else
+    KEY=$("$venv/bin/petstore" keys create --plan free --label first | tail -n 1)
+    (umask 077 && echo "$KEY" >"$key_file")
+fi
 echo "KEY=$KEY"
 
 echo "== 6. gunicorn with deploy/gunicorn.conf.py as $user, in the background; log: $state/gunicorn.log"

@@ -144,8 +144,8 @@ def keys_group() -> None:
     """API keys."""
 
 
-# Exit statuses, one per kind of outcome, the same for every command (README.rst, "The command
-# line"): 0 done; 1 the command could not run (a setting, PostgreSQL, the limiter storage);
+# Exit statuses, one per kind of outcome, the same for every command (docs/cli.rst, "Exit
+# statuses"): 0 done; 1 the command could not run (a setting, PostgreSQL, the limiter storage);
 # 2 a usage error; 3 no such key; 4 nothing to do. Each refusal is one line on stderr.
 
 

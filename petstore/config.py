@@ -5,6 +5,7 @@ from __future__ import annotations
 import calendar
 import email.utils
 import os
+import re
 from collections.abc import Callable, Mapping
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Any
@@ -92,6 +93,18 @@ def _database_url(text: str) -> str:
             "expected a libpq URL such as postgresql://user:password@host:5432/dbname"
         ) from None
     return text
+
+
+# A password in a libpq URL's user information, or a `password` parameter of a URL or of
+# key=value pairs (quoted or not).
+_URL_PASSWORD = re.compile(r"^(postgres(?:ql)?://[^@/?#:]*:)[^@/?#]*@")
+_PASSWORD_PARAMETER = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^&\s]+)")
+
+
+def without_password(database_url: str) -> str:
+    """The libpq connection string with its password shown as ****, for printing."""
+    masked = _URL_PASSWORD.sub(r"\g<1>****@", database_url)
+    return _PASSWORD_PARAMETER.sub(r"\g<1>****", masked)
 
 
 def _http_url(text: str) -> str:
@@ -203,7 +216,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_STAGING_BASE_URL": ("STAGING_BASE_URL", _http_url, None),
     "RATELIMIT_STORAGE_URI": ("RATELIMIT_STORAGE_URI", _storage_uri, "memory://"),
     "PETSTORE_RATELIMIT_STRATEGY": ("RATELIMIT_STRATEGY", _strategy, "fixed-window"),
-    # Off: the limits library's own storages instead of petstore.storages (the bench compares).
+    # Off: the limits library's own storages instead of petstore.ratelimit.storages (the bench compares).
     "PETSTORE_RATELIMIT_TUNED_STORAGES": ("RATELIMIT_TUNED_STORAGES", _switch, True),
     "PETSTORE_IP_LIMITS": ("IP_LIMITS", _limits, "60/minute;1000/day"),
     "PETSTORE_ANONYMOUS_CLIENTS": ("ANONYMOUS_CLIENTS", _int(1), 10_000),

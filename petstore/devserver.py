@@ -238,7 +238,8 @@ def print_welcome(
     database_url: str, bind: str, key: str, key_id: int, kept: bool, kept_in: Path
 ) -> None:
     """What make run prints before gunicorn starts: the database, the key, lines to paste."""
-    click.echo(f"database: {database_url}")
+    # Never the password: the line is shown, pasted and kept in terminals' scrollback.
+    click.echo(f"database: {config.without_password(database_url)}")
     if kept:
         click.echo(f"development key {key_id} (plan free), the last run's, from {kept_in}:")
     else:

@@ -102,8 +102,9 @@ def error_response(
     body: dict[str, Any] = {"code": code, "message": message, "status": status}
     if errors:
         body["errors"] = errors
+    # Ended by a newline, as every JSON body (web.json_response, nginx's and gunicorn's pages).
     response = current_app.response_class(
-        json.dumps(body), status=status, mimetype="application/json"
+        json.dumps(body) + "\n", status=status, mimetype="application/json"
     )
     if headers:
         response.headers.extend(headers)

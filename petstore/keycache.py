@@ -1,7 +1,7 @@
 """The rows of recently seen keys, kept in each worker for KEY_CACHE_SECONDS: a request whose
 key is held makes one database round trip (its own query), not two.
 
-What it promises (README.rst, "API keys"): a change to a key in the database (revocation, a
+What it promises (docs/cli.rst, "The key cache"): a change to a key in the database (revocation, a
 rotation's grace cut short, scopes, plan, numbers, a ban or its lift) is seen by every worker
 of every instance at most KEY_CACHE_SECONDS after it commits, because an entry is never used
 longer than that after the query that fetched it started. What time alone changes is exact:

@@ -1,4 +1,4 @@
-"""The OpenAPI document of the API, built by apispec from the marshmallow schemas that validate requests."""
+"""The OpenAPI document of the API, built by apispec from the marshmallow schemas (add_components)."""
 
 from __future__ import annotations
 

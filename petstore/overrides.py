@@ -75,7 +75,7 @@ def refusal(status_int: int) -> tuple[int, str, str]:
 def error_bytes(status_int: int) -> bytes:
     """A whole HTTP/1.1 answer with the Error JSON: what write_error_json sends."""
     status, code, message = refusal(status_int)
-    body = json.dumps({"code": code, "message": message, "status": status}).encode()
+    body = (json.dumps({"code": code, "message": message, "status": status}) + "\n").encode()
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
         "Connection: close\r\n"

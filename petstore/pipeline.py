@@ -1,5 +1,5 @@
-"""The request path, in order. create_app registers `before_view` and `after_view`; nothing else runs
-around a view.
+"""The request path, in order. create_app registers `before_view` and `after_view`: the stages of
+the service's own around a view (ProxyFix, the error handlers and db's teardown run around it too).
 
     identify → count → refuse banned → require a key → require a scope → view → headers → log
 
@@ -12,7 +12,7 @@ around a view.
 - require a scope (auth): 403 insufficient_scope when the key lacks the scope its view
   declares (auth.needs_scope), else its method's: read for GET and HEAD, write for any other.
   After counting, so the 403 spends budget.
-- view: parses with a schema, runs one query function.
+- view: parses with a schema, runs its queries (in the request's one transaction).
 - headers (budgets): X-RateLimit-* on every counted /v1 answer, errors included.
 - log (logs): the request id header and one JSON line; metrics (metrics): the request tallied
   by operation and status, with its latency.

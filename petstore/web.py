@@ -26,9 +26,10 @@ def in_api() -> bool:
 
 
 def json_response(body: str, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    """A response of JSON text written by PostgreSQL."""
+    """A response of JSON text (written by PostgreSQL or a schema), ended by a newline."""
+    # As Flask's jsonify ends its bodies: curl's output then ends its line before the prompt.
     return current_app.response_class(
-        body, status=status, headers=headers, mimetype="application/json"
+        body + "\n", status=status, headers=headers, mimetype="application/json"
     )
 
 

@@ -3,7 +3,8 @@
 create_app registers the blueprints from here; the OpenAPI document describes the operations of
 RESOURCES (described()), and petstore.metrics counts their requests by operationId
 (operation_ids()). A new resource is a module here with its blueprint `bp` and the descriptions
-of its operations, `OPERATIONS`, named in RESOURCES.
+of its operations, `OPERATIONS`, named in RESOURCES; the schemas its operations name are
+registered in petstore.openapi.add_components, its tag in build_document.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from petstore import migrations
 from petstore.auth import public
 from petstore.db import get_pool, get_timeout_pin
 from petstore.errors import error_response
+from petstore.web import json_response
 
 bp = Blueprint("health", __name__)
 log = logging.getLogger(__name__)
@@ -33,9 +34,7 @@ def healthz() -> Response:
     warning = None if pin is None else pin.warning()
     if warning is not None:
         body["warnings"] = [warning]
-    return current_app.response_class(
-        json.dumps(body, separators=(",", ":")), mimetype="application/json"
-    )
+    return json_response(json.dumps(body, separators=(",", ":")))
 
 
 def postgres_answers() -> str | None:
@@ -93,6 +92,4 @@ def readyz() -> Response:
         "schema": reported["postgres"],
         "checks": {"postgres": "ok", "ratelimit_storage": "ok"},
     }
-    return current_app.response_class(
-        json.dumps(ready, separators=(",", ":")), mimetype="application/json"
-    )
+    return json_response(json.dumps(ready, separators=(",", ":")))

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flask import Blueprint, Response, current_app, g
+from flask import Blueprint, Response, g
 
 from petstore import schemas
 from petstore.auth import uncounted
 from petstore.openapi import JSON, Operations, common_responses, rate_limit_headers
 from petstore.ratelimit import budgets
+from petstore.web import json_response
 
 bp = Blueprint("rate_limit", __name__)
 OPERATIONS = Operations()
@@ -43,5 +44,4 @@ def describe_get_rate_limit(config: Mapping[str, Any]) -> dict[str, Any]:
 @uncounted
 def get_rate_limit() -> Response:
     """getRateLimit: plan, limits, ban and strikes of the key; 200 also while throttled or banned."""
-    body = schemas.rate_limit.dumps(budgets.rate_limit_standing(g.caller))
-    return current_app.response_class(body, mimetype="application/json")
+    return json_response(schemas.rate_limit.dumps(budgets.rate_limit_standing(g.caller)))

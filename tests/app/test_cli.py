@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner, Result
 from flask.testing import FlaskClient
 
-from petstore import db, migrations
+from petstore import db, devserver, migrations
 from petstore.cli import main
 from petstore.devserver import development_key
 from petstore.queries import keys
@@ -481,3 +481,18 @@ def test_a_revoked_development_key_is_replaced(
     assert path.read_text(encoding="utf-8") == new + "\n"
     assert path.stat().st_mode & 0o777 == 0o600
     assert client.get("/v1/pets", headers={"Authorization": f"Bearer {new}"}).status_code == 200
+
+
+def test_make_runs_database_line_shows_no_password(capsys: pytest.CaptureFixture[str]) -> None:
+    devserver.print_welcome(
+        "postgresql://petstore:s3cret@127.0.0.1:5432/petstore",
+        "127.0.0.1:8000",
+        "ps_x",
+        1,
+        False,
+        Path("var/development-key"),
+    )
+
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0] == "database: postgresql://petstore:****@127.0.0.1:5432/petstore"
+    assert "s3cret" not in printed

@@ -165,3 +165,28 @@ def test_each_setting_refuses_a_bad_value_in_one_line_naming_it(name: str) -> No
     line = str(raised.value)
     assert "\n" not in line
     assert line.startswith(f"{name}={bad!r} is not valid: expected ")
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (
+            "postgresql://petstore:s3cr%40t@db1:5432,db2:5432/petstore?target_session_attrs=any",
+            "postgresql://petstore:****@db1:5432,db2:5432/petstore?target_session_attrs=any",
+        ),
+        ("postgres://petstore@db1/petstore", "postgres://petstore@db1/petstore"),
+        ("postgresql://db1:5432/petstore", "postgresql://db1:5432/petstore"),
+        (
+            "postgresql://petstore@db1/petstore?sslmode=require&password=s3cret",
+            "postgresql://petstore@db1/petstore?sslmode=require&password=****",
+        ),
+        (
+            "host=db1 user=petstore password='a b\\'c' dbname=petstore",
+            "host=db1 user=petstore password=**** dbname=petstore",
+        ),
+    ],
+)
+def test_a_printed_database_url_has_no_password(url: str, shown: str) -> None:
+    """make run's `database:` line: the password masked, as psycopg's ConnectionInfo.dsn leaves
+    it out; everything else as given."""
+    assert config.without_password(url) == shown

@@ -33,16 +33,24 @@ def error_pages() -> dict[int, tuple[int | None, str]]:
     return pages
 
 
+def page_texts() -> dict[str, tuple[int, str]]:
+    """page URI -> (the status its `return` answers, the body nginx sends: its \\n a newline)."""
+    return {
+        uri: (int(status), body.replace("\\n", "\n")) for uri, status, body in PAGE.findall(SITE)
+    }
+
+
 def page_bodies() -> dict[str, tuple[int, dict[str, Any]]]:
     """page URI -> (the status its `return` answers, its JSON body)."""
-    return {uri: (int(status), json.loads(body)) for uri, status, body in PAGE.findall(SITE)}
+    return {uri: (status, json.loads(body)) for uri, (status, body) in page_texts().items()}
 
 
 def test_nginx_writes_its_error_json_as_the_app_and_gunicorn_do(app: Flask) -> None:
-    """Byte for byte one format: json.dumps' separators, no newline after the object."""
-    texts = {uri: body for uri, _status, body in PAGE.findall(SITE)}
+    """Byte for byte one format: json.dumps' separators, a newline after the object (as Flask's
+    jsonify ends its bodies)."""
+    texts = {uri: body for uri, (_status, body) in page_texts().items()}
     assert texts
-    assert [body for body in texts.values() if body != json.dumps(json.loads(body))] == []
+    assert [body for body in texts.values() if body != json.dumps(json.loads(body)) + "\n"] == []
     with app.app_context():
         made = errors.error_response(405, "method_not_allowed", errors.MESSAGES[405])
     assert texts["/_nginx/405"] == made.get_data(as_text=True)
@@ -56,7 +64,8 @@ def test_deploy_and_ci_files_name_only_files_that_exist() -> None:
     named = {
         path
         for deployed in [*DEPLOY.rglob("*"), *(root / ".ci").iterdir()]
-        if deployed.is_file()
+        # gunicorn's import of deploy/gunicorn.conf.py (make run) leaves its bytecode there.
+        if deployed.is_file() and "__pycache__" not in deployed.parts
         for path in re.findall(
             r"(?<![\w/.-])((?:tests|docs|petstore|bench|deploy)/[\w./-]*\.\w+)",
             deployed.read_text(),

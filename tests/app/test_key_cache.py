@@ -20,7 +20,8 @@ from petstore.queries import keys as key_sql
 from tests.support.checks import assert_error, pass_key_cache_bound
 from tests.support.databases import store_ban
 
-# What the README promises with the default PETSTORE_KEY_CACHE_SECONDS (1 s).
+# What docs/cli.rst, "The key cache" promises with the default PETSTORE_KEY_CACHE_SECONDS (1 s),
+# with a second's margin for a loaded machine.
 PROPAGATION_BOUND = 2.0
 POLL_INTERVAL = 0.05
 NEW_PET = {"name": "Rex", "categoryId": 1}
@@ -148,7 +149,7 @@ def test_a_change_is_seen_by_two_instances_within_the_bound(
     make_app: Callable[..., Flask], conn: db.Connection, change: str
 ) -> None:
     """Two apps with their own pools and caches, at the default bound: each holds the key's row,
-    the change commits behind them, and both show it within the README's 2 s."""
+    the change commits behind them, and both show it within PROPAGATION_BOUND."""
     prepare, make_change, seen = CHANGES[change]
     key, key_id = issue(conn)
     prepare(conn, key_id)

@@ -3,6 +3,7 @@ and skip in one line naming the installer when a program is missing."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -35,14 +36,38 @@ def test_a_missing_program_skips_in_one_line_naming_its_installer(
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(tmp_path),))
+    monkeypatch.setattr(programs.os, "geteuid", lambda: 0)
 
     with pytest.raises(pytest.skip.Exception) as skipped:
         programs.program("redis-sentinel")
 
     assert str(skipped.value) == (
-        "redis-sentinel is not installed: run `bash .ci/install-redis-sentinel` "
-        "(it uses sudo unless you are root)"
+        "redis-sentinel is not installed: install it as root with `bash .ci/install-redis-sentinel`"
     )
+
+
+@pytest.mark.parametrize(
+    ("uid", "has_sudo", "command"),
+    [
+        (0, True, "bash .ci/install-nginx"),
+        (1000, True, "sudo bash .ci/install-nginx"),
+        # A plain Debian: no sudo, so root's password through su, in the checkout.
+        (1000, False, "su -c 'bash .ci/install-nginx'"),
+    ],
+)
+def test_the_hint_says_what_runs_as_root_on_this_machine(
+    monkeypatch: pytest.MonkeyPatch, uid: int, has_sudo: bool, command: str
+) -> None:
+    monkeypatch.setattr(programs.os, "geteuid", lambda: uid)
+    monkeypatch.setattr(
+        programs.shutil, "which", lambda name, path=None: "/usr/bin/sudo" if has_sudo else None
+    )
+
+    assert programs.install_command("nginx") == command
+    # Each word it names is a program or a file of this checkout.
+    words = shlex.split(command)
+    script = shlex.split(words[-1])[-1] if words[0] == "su" else words[-1]
+    assert (ROOT / script).is_file()
 
 
 def test_every_installer_named_is_a_script_of_ci() -> None:

@@ -261,3 +261,64 @@ def test_the_ban_examples_are_what_the_service_answers(
             # A command's change reaches the service within its key cache's bound: let it pass.
             pass_key_cache_bound(client.application)
         assert comparable(answered) == comparable(shown), command
+
+
+# A pointer from code to the manual: `README.rst, "Heading"` or `docs/page.rst, "Heading"`, the
+# quoted heading possibly wrapped onto the next comment line.
+POINTER = re.compile(r'\b(README(?:\.rst)?|docs/[\w/]+\.rst),\s*"([^"]+)"')
+# A pointer that names a page and then no quoted heading: `(README, PgBouncer)`.
+LOOSE_POINTER = re.compile(r'\((?:see )?(?:README(?:\.rst)?|docs/[\w/]+\.rst), (?!")')
+HEADING = re.compile(r"^(\S[^\n]*)\n([=\-~^\"'`#*+])\2*$", re.M)
+WRAP = re.compile(r"\s*\n\s*(?:#+|;+)?\s*")
+
+
+def headings(text: str) -> set[str]:
+    """The section titles of a reStructuredText page, without their inline markup."""
+    return {
+        title.replace("``", "")
+        for title, underline in (
+            (m.group(1), m.group(0).split("\n")[1]) for m in HEADING.finditer(text)
+        )
+        if len(underline) >= len(title)
+    }
+
+
+def code_files() -> Iterator[Path]:
+    """The repository's code, deploy/ and .ci/ files: the places that point a reader at the manual."""
+    for top in ("petstore", "deploy", ".ci", "bench", "tests"):
+        for path in sorted((ROOT / top).rglob("*")):
+            # This file's own examples are not pointers.
+            skipped = "__pycache__" in path.parts or path == Path(__file__).resolve()
+            if path.is_file() and not skipped and path.suffix != ".rst":
+                yield path
+    yield from (ROOT / "wsgi.py", ROOT / "Makefile", ROOT / "setup.cfg")
+
+
+def test_every_pointer_to_the_manual_names_a_heading_that_exists() -> None:
+    """A comment saying (docs/deploying.rst, "TLS") names a page and one of its headings."""
+    titles = {path.relative_to(ROOT).as_posix(): headings(text) for path, text in manual().items()}
+    titles["README"] = titles["README.rst"]
+    pointers, loose = [], []
+    for path in code_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        where = path.relative_to(ROOT).as_posix()
+        for match in POINTER.finditer(text):
+            pointers.append((where, match.group(1), WRAP.sub(" ", match.group(2))))
+        loose += [(where, match.group(0)) for match in LOOSE_POINTER.finditer(text)]
+    assert len(pointers) >= 10
+    assert [p for p in pointers if p[2] not in titles.get(p[1], set())] == []
+    assert loose == []
+
+
+def test_every_code_block_names_its_language() -> None:
+    """No bare `::` literal block in the README or the manual: each is a code-block with its
+    language (console, bash, nginx, text...), so the manual highlights it as that."""
+    bare = [
+        (path.name, number)
+        for path, text in manual().items()
+        for number, line in enumerate(text.splitlines(), 1)
+        if line.rstrip().endswith("::") and not line.lstrip().startswith("..")
+    ]
+    unnamed = re.findall(r"^\s*\.\. (?:code-block|code|sourcecode)::\s*$", all_docs(), re.M)
+    assert bare == []
+    assert unnamed == []

@@ -304,7 +304,7 @@ class Cluster:
         run_every([*(node.stop for node in self.nodes), self.etcd.stop, self.redis.stop])
 
     def url(self, dbname: str = "petstore", attrs: str = "read-write") -> str:
-        """The multi-host URL of the README: every node, the one with `attrs` chosen by libpq."""
+        """docs/deploying.rst's multi-host URL: every node, the one with `attrs` chosen by libpq."""
         return conninfo.make_conninfo(
             "",
             host=",".join(node.address[0] for node in self.nodes),

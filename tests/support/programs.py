@@ -45,11 +45,21 @@ def find(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SYSTEM_DIRS))
 
 
+def install_command(name: str) -> str:
+    """The command that installs `name` from the checkout, for whoever runs the tests: the script
+    as root, through sudo where there is one, else through su (root's password)."""
+    script = f"bash {INSTALLERS[name]}"
+    if os.geteuid() == 0:
+        return script
+    if shutil.which("sudo"):
+        return f"sudo {script}"
+    # A plain Debian has no sudo; su keeps the working directory, the checkout.
+    return f"su -c '{script}'"
+
+
 def missing_line(name: str) -> str:
     """The one line a test skips with when `name` is missing."""
-    return (
-        f"{name} is not installed: run `bash {INSTALLERS[name]}` (it uses sudo unless you are root)"
-    )
+    return f"{name} is not installed: install it as root with `{install_command(name)}`"
 
 
 def program(name: str) -> str:

@@ -63,13 +63,17 @@ CASES = [
 
 
 @pytest.mark.parametrize(("settings", "start"), CASES)
-def test_deployed_gunicorn_says_one_line_and_exits(settings: dict[str, str], start: str) -> None:
-    done = run(DEPLOYED, **settings)
+def test_deployed_gunicorn_says_one_line_and_exits(
+    settings: dict[str, str], start: str, tmp_path: Path
+) -> None:
+    # The metrics directory is made before the settings are checked: a refusal removes it too.
+    done = run(DEPLOYED, TMPDIR=str(tmp_path), **settings)
 
     assert done.returncode == 1
     assert done.stdout == ""
     assert done.stderr.startswith(f"petstore: {start}")
     assert done.stderr.count("\n") == 1, done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(("settings", "start"), CASES[:2])

@@ -198,7 +198,13 @@ def test_install_script_serves_a_key_on_a_fresh_role_and_database(
         ).fetchone()
         keys = conn.execute("select label from api_keys order by id").fetchall()
     assert owner == (name,)
-    assert keys == [("first",), ("first",)]
+    # The second run kept the key the first one made, and says how to rotate it.
+    assert keys == [("first",)]
+    assert f"KEY={key.group(1)}" in again.stdout
+    assert "the first key of an earlier run, kept: key 1; to replace it, run" in again.stdout
+    key_file = workdir / "petstore.key"
+    assert key_file.read_text() == key.group(1) + "\n"
+    assert (key_file.stat().st_uid, stat.S_IMODE(key_file.stat().st_mode)) == (0, 0o600)
 
 
 def test_install_script_refuses_code_the_service_user_could_change(

@@ -1,6 +1,6 @@
 """The key cache across two gunicorn instances (separate processes, two workers each, one
 PostgreSQL and one Redis): a ban, its lift and a revocation reach every worker of both within
-the README's 2 s at the default PETSTORE_KEY_CACHE_SECONDS."""
+2 s: docs/cli.rst's bound at the default PETSTORE_KEY_CACHE_SECONDS (1 s), with a margin."""
 
 from __future__ import annotations
 

@@ -576,7 +576,8 @@ def test_ban_holds_across_workers_and_restart(
         assert len(ban_rows) == 1 and ban_rows[0]["seconds"] == BAN_SECONDS, ban_rows
         banned_until = ban_rows[0]["banned_until"].timestamp()
         # The worker that stored the ban refuses at once; the others once the key rows they
-        # hold are older than the key cache's bound (README: within PETSTORE_KEY_CACHE_SECONDS).
+        # hold are older than the key cache's bound, PETSTORE_KEY_CACHE_SECONDS (docs/cli.rst,
+        # "The key cache").
         time.sleep(config.SETTINGS["PETSTORE_KEY_CACHE_SECONDS"][2])
         counted = minute_counter(redis_client, key_id)
 

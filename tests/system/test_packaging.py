@@ -50,6 +50,10 @@ def sql_files() -> list[str]:
     return sorted(path.name for path in (ROOT / "sql").iterdir() if MIGRATION.match(path.name))
 
 
+# In the venv: what `pip install .` printed.
+INSTALL_LOG = "pip-install.log"
+
+
 @pytest.fixture(scope="module")
 def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A working directory outside the checkout, so nothing is imported from it by accident."""
@@ -67,22 +71,27 @@ def venv(tmp_path_factory: pytest.TempPathFactory, outside: Path) -> Path:
     copy_checkout(source)
     path = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True, cwd=outside)
-    subprocess.run(
-        [
-            str(path / "bin" / "python"),
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            str(source),
-        ],
-        check=True,
+    done = subprocess.run(
+        [str(path / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
+        + [str(source)],
         cwd=outside,
         env=clean_environ(),
+        capture_output=True,
+        text=True,
     )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (path / INSTALL_LOG).write_text(done.stdout + done.stderr, encoding="utf-8")
     shutil.rmtree(source)  # the installed package must not need its source any more
     return path
+
+
+def test_the_install_builds_through_pyproject_with_no_deprecation(venv: Path) -> None:
+    """pyproject.toml names the build system: pip takes no legacy `setup.py` path, and neither
+    pip nor setuptools prints a deprecation."""
+    output = (venv / INSTALL_LOG).read_text(encoding="utf-8")
+    assert "Building wheel for petstore (pyproject.toml)" in output
+    assert "DEPRECATION" not in output
+    assert "Deprecat" not in output
 
 
 def clean_environ(**extra: str) -> dict[str, str]:
@@ -190,7 +199,8 @@ def test_installed_wsgi_app_serves_the_api(
         "created = client.post('/v1/pets', json={'name': 'Rex', 'categoryId': 1}, headers=headers)\n"
         "listed = client.get('/v1/pets', headers=headers)\n"
         "print(created.status_code, listed.status_code)\n"
-        "print(listed.get_data(as_text=True))\n"
+        # The body ends with its own newline.
+        "print(listed.get_data(as_text=True), end='')\n"
     )
     result = run(venv, outside, "python", "-c", script, key, DATABASE_URL=fresh_database_url)
 
@@ -233,6 +243,7 @@ def test_the_editable_install_of_make_prints_no_setuptools_warning(
     assert done.returncode == 0, done.stderr
     output = done.stdout + done.stderr
     assert "BuildBackendWarning" not in output
+    assert "DEPRECATION" not in output
     assert "Please be careful" not in output
     # Without the dependencies (--no-deps) petstore cannot be imported: find_spec locates it
     # without running it, and the migrations are listed where petstore.db reads them.

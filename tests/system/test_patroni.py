@@ -118,7 +118,7 @@ def serve(cluster: Cluster) -> Iterator[Deployment]:
         environ = {
             **ENVIRON,
             "DATABASE_URL": haproxy.url(connect_timeout=CONNECT_TIMEOUT),
-            # Lists and gets on the standby while there is one (README, "Reads on standbys").
+            # Lists and gets on the standby while there is one (docs/deploying.rst, "Reads on standbys").
             "PETSTORE_READ_DATABASE_URL": cluster.url(attrs="prefer-standby"),
             "RATELIMIT_STORAGE_URI": cluster.redis.url(),
         }
