@@ -16,6 +16,8 @@ from psycopg import sql
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from petstore import hostorder
+
 log = logging.getLogger(__name__)
 
 Connection = psycopg.Connection[DictRow]
@@ -166,6 +168,8 @@ def open_pool(
         timeout=config["DB_POOL_TIMEOUT"],
         reconnect_timeout=config["DB_RECONNECT_TIMEOUT"],
         configure=check_new_connection(config),
+        # A silent host last, and the role of the server behind a pooler checked (hostorder).
+        connection_class=hostorder.ordered_connection_class(),
         name=name,
         open=False,
         **options,

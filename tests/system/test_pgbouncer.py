@@ -21,6 +21,8 @@ from pathlib import Path
 import psycopg
 import pytest
 import redis
+from psycopg import conninfo, sql
+from psycopg.rows import dict_row
 
 from petstore import auth, config, db
 from tests.conftest import TEST_REDIS_URL
@@ -297,3 +299,66 @@ def test_an_undeclared_pooler_with_another_timeout_is_refused(pooled: Pooled) ->
             assert answer.status == 503, (answer.status, answer.body)
             assert answer.is_json_error and answer.body["code"] == "service_unavailable"
             assert "statement_timeout behind the pooler is" in app.log_path.read_text()
+
+
+def read_only(url: str, on: bool) -> None:
+    """Make every new session of `url`'s database read-only (a standby, as libpq sees it) or
+    not, and cut its sessions: a PgBouncer before it logs in again, and learns the new value."""
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute("set default_transaction_read_only = off")
+        admin.execute(
+            sql.SQL("alter database {} set default_transaction_read_only = {}").format(
+                sql.Identifier(admin.info.dbname), sql.Literal("on" if on else "off")
+            )
+        )
+        admin.execute(
+            "select pg_terminate_backend(pid) from pg_stat_activity "
+            "where datname = %s and pid <> pg_backend_pid()",
+            [admin.info.dbname],
+        )
+
+
+def test_a_failover_behind_the_pgbouncers_is_followed(database_url: str, tmp_path: Path) -> None:
+    """Two PgBouncers, each before a database of its own (a node): the first one's read-write
+    (the primary), the second one's read-only (a standby), then the roles swap. Each bouncer
+    tells its new clients the role it cached at its first login (PgBouncer issue #859), so
+    libpq's target_session_attrs=read-write takes the demoted node and refuses the promoted one;
+    the service's pool asks the servers and takes the promoted one."""
+    with (
+        empty_database(database_url, "_demoted") as demoted_url,
+        empty_database(database_url, "_promoted") as promoted_url,
+        PgBouncer(tmp_path / "demoted", demoted_url) as demoted,
+        PgBouncer(tmp_path / "promoted", promoted_url) as promoted,
+    ):
+        both = conninfo.make_conninfo(
+            demoted.url(),
+            host="127.0.0.1,127.0.0.1",
+            port=f"{demoted.port},{promoted.port}",
+            target_session_attrs="read-write",
+            connect_timeout=str(CONNECT_TIMEOUT),
+        )
+        settings = config.from_environ({"DATABASE_URL": both, "PETSTORE_DB_POOLER": "transaction"})
+        for url in (demoted_url, promoted_url):
+            with psycopg.connect(url, autocommit=True, row_factory=dict_row) as admin:
+                db.pin_statement_timeout(admin, settings["DB_STATEMENT_TIMEOUT_MS"])
+        read_only(promoted_url, True)
+        # Each bouncer's first login, with the roles before the failover.
+        for bouncer, role in ((demoted, "off"), (promoted, "on")):
+            with psycopg.connect(bouncer.url()) as first:
+                assert first.info.parameter_status("default_transaction_read_only") == role
+        read_only(demoted_url, True)
+        read_only(promoted_url, False)
+        with psycopg.connect(both) as stale:
+            # The failure itself: libpq takes the demoted node, where a write is refused.
+            name = conninfo.conninfo_to_dict(demoted_url)["dbname"]
+            assert stale.execute("select current_database()").fetchone() == (name,)
+            with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+                stale.execute("create table t (n int)")
+        pool = db.open_pool({**settings, "DB_POOL_SIZE": 1})
+        try:
+            with pool.connection(timeout=10) as conn:
+                row = conn.execute("select current_database() as name").fetchone()
+                assert row == {"name": conninfo.conninfo_to_dict(promoted_url)["dbname"]}
+                conn.execute("create table t (n int)")
+        finally:
+            pool.close()
