@@ -274,6 +274,13 @@ def discard_broken_connections() -> None:
     pool.check()
 
 
+def close_request_connection() -> None:
+    """Close the request's connection, in a state nobody can tell: the pool replaces it."""
+    conn = g.get("conn")
+    if conn is not None:
+        conn.close()
+
+
 def discard_read_only_connections() -> None:
     """After a write met a read-only server (a standby, a demoted primary), replace every connection.
 

@@ -28,7 +28,9 @@ def summarise(tries: list[tuple[float, str]]) -> str:
         else:
             runs.append((outcome, 1, sent, sent))
     return ", ".join(
-        f"{outcome} at {first:.1f} s" if count == 1 else f"{outcome} x{count} at {first:.1f}-{last:.1f} s"
+        f"{outcome} at {first:.1f} s"
+        if count == 1
+        else f"{outcome} x{count} at {first:.1f}-{last:.1f} s"
         for outcome, count, first, last in runs
     )
 

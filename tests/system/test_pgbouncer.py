@@ -362,3 +362,72 @@ def test_a_failover_behind_the_pgbouncers_is_followed(database_url: str, tmp_pat
                 conn.execute("create table t (n int)")
         finally:
             pool.close()
+
+
+SLOW_COMMIT = """
+create function wait_at_commit() returns trigger language plpgsql as $$
+begin
+    if new.name = 'at-commit' then
+        perform pg_advisory_xact_lock(%(lock)s);
+    end if;
+    return null;
+end $$;
+create constraint trigger wait_at_commit after insert on pets
+    deferrable initially deferred for each row execute function wait_at_commit();
+"""
+LOCK = 727
+
+
+def test_a_server_gone_during_a_commit_is_503_and_the_retry_stores_once(pooled: Pooled) -> None:
+    """The backend running a create's COMMIT is terminated (as when its postmaster dies): behind
+    PgBouncer the COMMIT gets the backend's FATAL and the bouncer's "server conn crashed?", two
+    answers psycopg cannot account for (InternalError). Whether it committed is unknown to the
+    service: 503 with Retry-After, and the retry with the same Idempotency-Key stores one pet."""
+    key = issue(pooled)
+    headers = bearer(key, **{"Idempotency-Key": uuid.uuid4().hex})
+    body = {"name": "at-commit", "categoryId": 1, "status": "available"}
+    with pooled.direct() as admin:
+        admin.execute(SLOW_COMMIT % {"lock": LOCK})
+    try:
+        with pooled.gunicorn("at-commit") as app, pooled.direct() as holder:
+            holder.execute("select pg_advisory_lock(%s)", [LOCK])
+            answers = []
+            sender = threading.Thread(
+                target=lambda: answers.append(
+                    call(app.url, "POST", "/v1/pets", headers=headers, json_body=body)
+                )
+            )
+            sender.start()
+            # The COMMIT waits in the deferred trigger for the lock (the statement timeout, 1 s,
+            # is the bound on finding it); then its backend is terminated.
+            waiting = poll_until(
+                lambda: holder.execute(
+                    """
+                    select pid
+                      from pg_stat_activity
+                     where query = 'COMMIT' and wait_event_type = 'Lock'
+                    """
+                ).fetchone(),
+                lambda row: row is not None,
+                STATEMENT_TIMEOUT_MS / 1000,
+                0.01,
+            )
+            assert waiting is not None, "no COMMIT waited at the lock"
+            holder.execute("select pg_terminate_backend(%s)", [waiting["pid"]])
+            sender.join(timeout=HTTP_TIMEOUT)
+            holder.execute("select pg_advisory_unlock(%s)", [LOCK])
+            (refused,) = answers
+            log = app.log_path.read_text(encoding="utf-8")
+            assert refused.status == 503, (refused.status, refused.body, log[-3000:])
+            assert refused.body["code"] == "service_unavailable"
+            assert int(refused.headers["Retry-After"]) >= 1
+            assert "received 2 results from command 'COMMIT'" in log
+            again = call(app.url, "POST", "/v1/pets", headers=headers, json_body=body)
+            assert again.status == 201, (again.status, again.body)
+        with pooled.direct() as conn:
+            rows = conn.execute("select id from pets where name = 'at-commit'").fetchall()
+        assert rows == [{"id": again.body["id"]}]
+    finally:
+        with pooled.direct() as admin:
+            admin.execute("drop trigger wait_at_commit on pets")
+            admin.execute("drop function wait_at_commit()")
