@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -13,6 +14,8 @@ from psycopg.rows import DictRow, tuple_row
 PER_HOST = ("host", "hostaddr", "port")
 # The cost of the host that took the last connection asked of it: tried before any other.
 ACCEPTED = -1.0
+# A host whose last attempt took this long (seconds) is silent: one attempt at a time waits on it.
+SILENT = 1.0
 # target_session_attrs this module checks itself, and the query whose true answer accepts the
 # server: asked of the server itself, since a pooler answers libpq's own check from the
 # in_hot_standby and default_transaction_read_only it cached at its first login (PgBouncer
@@ -27,6 +30,10 @@ ROLE_CHECKS = {
 
 class WrongRole(psycopg.OperationalError):
     """The server behind a host is not what the URL's target_session_attrs asks for."""
+
+
+class SkippedSilent(psycopg.OperationalError):
+    """A silent host not tried, since another connection attempt is waiting on it."""
 
 
 def split_hosts(params: dict[str, Any]) -> list[dict[str, str]]:
@@ -54,7 +61,9 @@ def ordered_connection_class() -> type[psycopg.Connection[DictRow]]:
     pool refills one connect_timeout per connection. Here the host that took the last connection
     comes first, then those whose last attempt failed fast (a standby refusing
     target_session_attrs=read-write, a stopped server), and last the ones that stayed silent;
-    the written order breaks ties.
+    the written order breaks ties. While one attempt waits on a silent host, the others pass it
+    over: they fail at once if no other host takes them, and the pool tries again, so that a
+    standby promoted meanwhile is found within the pool's retry delay, not after a timeout.
 
     Through PgBouncer, libpq's target_session_attrs check believes the in_hot_standby and
     default_transaction_read_only that the bouncer cached from its first server login: after a
@@ -69,6 +78,9 @@ def ordered_connection_class() -> type[psycopg.Connection[DictRow]]:
     # Each host's (its per-host values) seconds its last attempt took, or ACCEPTED. The pool's
     # threads share it: a lost update only orders one attempt less well.
     costs: dict[tuple[tuple[str, str], ...], float] = {}
+    # The silent hosts an attempt is waiting on now.
+    waited_on: set[tuple[tuple[str, str], ...]] = set()
+    lock = threading.Lock()
 
     class OrderedConnection(psycopg.Connection[DictRow]):
         """psycopg.Connection trying its hosts in the order of `costs`."""
@@ -90,8 +102,16 @@ def ordered_connection_class() -> type[psycopg.Connection[DictRow]]:
             hosts = split_hosts(params) or [{}]
             # libpq's check could refuse a host by a pooler's stale word: ours replaces it.
             unchecked = {"target_session_attrs": "any"} if attrs in ROLE_CHECKS else {}
-            failures = []
+            failures: list[tuple[dict[str, str], psycopg.OperationalError]] = []
             for host in sorted(hosts, key=lambda host: costs.get(tuple(host.items()), 0.0)):
+                key = tuple(host.items())
+                with lock:
+                    silent = len(hosts) > 1 and costs.get(key, 0.0) >= SILENT
+                    if silent and key in waited_on:
+                        failures.append((host, SkippedSilent("another attempt waits on it")))
+                        continue
+                    if silent:
+                        waited_on.add(key)
                 started = time.monotonic()
                 try:
                     conn = super().connect(
@@ -99,10 +119,14 @@ def ordered_connection_class() -> type[psycopg.Connection[DictRow]]:
                     )
                     check_role(conn, attrs)
                 except psycopg.OperationalError as exc:
-                    costs[tuple(host.items())] = time.monotonic() - started
+                    costs[key] = time.monotonic() - started
                     failures.append((host, exc))
                     continue
-                costs[tuple(host.items())] = ACCEPTED
+                finally:
+                    if silent:
+                        with lock:
+                            waited_on.discard(key)
+                costs[key] = ACCEPTED
                 return conn
             if len(failures) == 1:
                 raise failures[0][1]
