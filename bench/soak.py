@@ -295,8 +295,7 @@ def report(run: Run) -> str:
         f"{len(run.load.created)} 201s answered ({len(set(run.load.created))} distinct ids); "
         f"{run.rows_of_201s} of those ids are rows on the primary at the end; {run.rows} rows "
         f"of this run in all; {len(run.load.abandoned)} creates given up (no 201 within "
-        f"{run.load.create_deadline:g} s of retries)"
-        + (":" if run.load.abandoned else "."),
+        f"{run.load.create_deadline:g} s of retries)" + (":" if run.load.abandoned else "."),
         "",
         *(f"- {given_up}" for given_up in run.load.abandoned),
         *([""] if run.load.abandoned else []),
