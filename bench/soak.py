@@ -307,8 +307,10 @@ def report(run: Run) -> str:
         f"{len(run.load.created)} 201s answered ({len(set(run.load.created))} distinct ids); "
         f"{run.rows_of_201s} of those ids are rows on the primary at the end; {run.rows} rows "
         f"of this run in all; {len(run.load.abandoned)} creates given up (no 201 within "
-        f"{run.load.create_deadline:g} s of retries).",
+        f"{run.load.create_deadline:g} s of retries)" + (":" if run.load.abandoned else "."),
         "",
+        *(f"- {given_up}" for given_up in run.load.abandoned),
+        *([""] if run.load.abandoned else []),
         "## Worker RSS",
         "",
         f"Each worker that lived through the run, at its start and its end (flat means within "
@@ -392,6 +394,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, default=None, help="the report (bench/results/soak-<date>.md)"
     )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="keep the stack's files (the service's, nginx's, PostgreSQL's, Patroni's logs) in "
+        "this new directory rather than a temporary one",
+    )
     return parser.parse_args(argv)
 
 
@@ -400,8 +409,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if os.geteuid() != 0:
         sys.exit("the soak runs PostgreSQL as petstore.embedded's account: run it as root")
     out = args.out or RESULTS / f"soak-{datetime.date.today():%Y-%m-%d}.md"
-    with tempfile.TemporaryDirectory(prefix="petstore-soak-") as workdir:
-        run = soak(args, Path(workdir))
+    if args.keep is not None:
+        args.keep.mkdir(parents=True)
+        run = soak(args, args.keep.resolve())
+    else:
+        with tempfile.TemporaryDirectory(prefix="petstore-soak-") as workdir:
+            run = soak(args, Path(workdir))
     text = report(run)
     out.write_text(text, encoding="utf-8")
     print(text)
@@ -413,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]
     statuses = {a.status for a in run.load.answers}
     lost = run.rows_of_201s != len(set(run.load.created))
-    if unflat or lost or statuses - {200, 201, 503} or run.load.failures:
+    if unflat or lost or statuses - {200, 201, 503} or run.load.failures or run.load.abandoned:
         sys.exit("the soak found a problem: see the report")
 
 

@@ -20,6 +20,8 @@ from psycopg.errors import Diagnostic
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from petstore import hostorder
+
 log = logging.getLogger(__name__)
 
 Connection = psycopg.Connection[DictRow]
@@ -215,6 +217,8 @@ def open_pool(
         max_size=config["DB_POOL_SIZE"],
         timeout=config["DB_POOL_TIMEOUT"],
         configure=check_new_connection(config, pin),
+        # A silent host last, and the role of the server behind a pooler checked (hostorder).
+        connection_class=hostorder.ordered_connection_class(),
         name=name,
         open=False,
         **{"reconnect_timeout": config["DB_RECONNECT_TIMEOUT"], **options},
@@ -393,6 +397,13 @@ def discard_broken_connections() -> None:
     if conn is not None:
         pool.putconn(conn)
     pool.check()
+
+
+def close_request_connection() -> None:
+    """Close the request's connection, in a state nobody can tell: the pool replaces it."""
+    conn = g.get("conn")
+    if conn is not None:
+        conn.close()
 
 
 def discard_read_only_connections() -> None:

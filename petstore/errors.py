@@ -146,6 +146,18 @@ def handle_read_only(error: psycopg.errors.ReadOnlySqlTransaction) -> Response:
     return handle_database_unavailable(error)
 
 
+def handle_internal_error(error: psycopg.InternalError) -> Response:
+    # psycopg's own InternalError (no SQLSTATE): a command got answers it cannot account for, as
+    # when the server dies during a COMMIT and PgBouncer adds its "server conn crashed?" to the
+    # backend's FATAL ("received 2 results from command 'COMMIT'"). Whether the commit happened
+    # is unknown, which a retry with the Idempotency-Key settles: 503, as for a lost connection,
+    # and this connection is never used again. The server's own (a SQLSTATE) stay bugs: 500.
+    if error.sqlstate is not None:
+        return handle_unexpected(error)
+    db.close_request_connection()
+    return handle_database_unavailable(error)
+
+
 def handle_unexpected(error: Exception) -> Response:
     log.exception("unhandled error")
     return error_response(500, "internal_error", MESSAGES[500])
@@ -158,4 +170,5 @@ def init_app(app: Flask) -> None:
     for error in DATABASE_UNAVAILABLE:
         app.register_error_handler(error, handle_database_unavailable)
     app.register_error_handler(psycopg.errors.ReadOnlySqlTransaction, handle_read_only)
+    app.register_error_handler(psycopg.InternalError, handle_internal_error)
     app.register_error_handler(Exception, handle_unexpected)

@@ -94,6 +94,7 @@ DATABASE_ERROR_KINDS: tuple[tuple[type[Exception], str], ...] = (
     (psycopg_pool.PoolTimeout, "pool_timeout"),
     (psycopg.errors.QueryCanceled, "statement_timeout"),
     (psycopg.errors.ReadOnlySqlTransaction, "read_only"),
+    (psycopg.InternalError, "lost_answer"),
     (psycopg.InterfaceError, "interface"),
     (psycopg.OperationalError, "operational"),
 )

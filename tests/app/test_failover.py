@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 
+import psycopg
 import pytest
 from flask import Flask
 from psycopg import conninfo, sql
 
-from petstore import auth, config, create_app, db, migrations
+from petstore import auth, config, create_app, db, hostorder, migrations
 from tests.conftest import count_pets
 from tests.support.checks import assert_error
 from tests.support.databases import empty_database
@@ -48,6 +51,81 @@ def test_a_multi_host_url_reaches_the_host_that_answers(
     created = client.post("/v1/pets", headers=bearer(key), json=NEW_PET)
     assert created.status_code == 201, created.json
     assert client.get(created.headers["Location"], headers=bearer(key)).status_code == 200
+
+
+@pytest.fixture
+def silent_address() -> Iterator[tuple[str, int]]:
+    """A loopback port that takes TCP connections and never says a word: to a client, a
+    database host cut off the network (it waits its whole connect timeout)."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
+        host, port = server.getsockname()[:2]
+        yield host, port
+
+
+def test_a_silent_first_host_costs_its_connect_timeout_once(
+    make_app: Callable[..., Flask],
+    issue_key: Callable[..., str],
+    database_url: str,
+    silent_address: tuple[str, int],
+) -> None:
+    """DATABASE_URL's first host stays silent (the old primary cut off the network): the pool's
+    first connection waits out the connect timeout there, and the next ones go first to the host
+    that took it, without waiting."""
+    url = read_write(database_url, silent_address, server_of(database_url))
+    app = make_app(DATABASE_URL=url, DB_POOL_SIZE=1, DB_CONNECT_TIMEOUT=2)
+    pool = app.extensions["petstore.pool"]
+    started = time.monotonic()
+    pool.wait(timeout=10)
+    first = time.monotonic() - started
+    again = []
+    for _ in range(3):
+        started = time.monotonic()
+        pool.drain()  # the connection closed, a new one made
+        pool.wait(timeout=10)
+        with pool.connection(timeout=10) as conn:
+            conn.execute("select 1")
+        again.append(time.monotonic() - started)
+    assert first >= 1.9, first
+    assert max(again) < 1.0, again
+    key = issue_key("enterprise", per_minute=1000, per_day=100_000)
+    created = app.test_client().post("/v1/pets", headers=bearer(key), json=NEW_PET)
+    assert created.status_code == 201, created.json
+
+
+def test_one_attempt_at_a_time_waits_on_a_silent_host(
+    database_url: str, silent_address: tuple[str, int]
+) -> None:
+    """No primary to be had (the first host silent, the second read-only, as a standby is): one
+    connection attempt waits out the silent host's timeout, and meanwhile the others pass it over
+    and fail at once, so that the pool's next try finds a standby promoted in the meantime."""
+    url = conninfo.make_conninfo(
+        read_write(database_url, silent_address, server_of(database_url)),
+        options="-c default_transaction_read_only=on",
+        connect_timeout="2",
+    )
+    connection_class = hostorder.ordered_connection_class()
+    started = time.monotonic()
+    with pytest.raises(psycopg.OperationalError):
+        connection_class.connect(url)
+    assert time.monotonic() - started >= 1.9  # the first host is known silent now
+    waited: list[float] = []
+
+    def wait_on_it() -> None:
+        began = time.monotonic()
+        with pytest.raises(psycopg.OperationalError, match="not read-write"):
+            connection_class.connect(url)
+        waited.append(time.monotonic() - began)
+
+    waiting = threading.Thread(target=wait_on_it)
+    waiting.start()
+    time.sleep(0.5)  # the standby refused it; it waits on the silent host
+    started = time.monotonic()
+    with pytest.raises(psycopg.OperationalError, match="another attempt waits on it"):
+        connection_class.connect(url)
+    passed_over = time.monotonic() - started
+    waiting.join(timeout=10)
+    assert passed_over < 1.0, passed_over
+    assert waited and waited[0] >= 1.9, waited
 
 
 def test_a_write_on_a_read_only_server_is_503_and_the_next_one_reaches_a_writable_one(

@@ -19,6 +19,22 @@ HTTP_TIMEOUT = 15.0
 CREATE_DEADLINE = 20.0
 
 
+def summarise(tries: list[tuple[float, str]]) -> str:
+    """Tries as runs of one outcome: "503 x12 at 0.0-5.1 s, 500 at 5.3 s"."""
+    runs: list[tuple[str, int, float, float]] = []
+    for sent, outcome in tries:
+        if runs and runs[-1][0] == outcome:
+            runs[-1] = (outcome, runs[-1][1] + 1, runs[-1][2], sent)
+        else:
+            runs.append((outcome, 1, sent, sent))
+    return ", ".join(
+        f"{outcome} at {first:.1f} s"
+        if count == 1
+        else f"{outcome} x{count} at {first:.1f}-{last:.1f} s"
+        for outcome, count, first, last in runs
+    )
+
+
 class MixedLoad:
     """`clients` threads sending `total` requests: creates (Idempotency-Key, retried on 503 or no
     answer), lists and gets; every answer and every 201 recorded."""
@@ -39,6 +55,7 @@ class MixedLoad:
         self.answers: list[Answer] = []
         self.failures: list[str] = []
         self.created: list[int] = []
+        # Each create given up: its name and key, then what its tries got (summarised).
         self.abandoned: list[str] = []
         self.lock = threading.Lock()
 
@@ -63,9 +80,12 @@ class MixedLoad:
         """Create a pet; on a 503 or no answer, again with the same Idempotency-Key (bounded)."""
         headers = {"Idempotency-Key": uuid.uuid4().hex}
         body = {"name": name, "categoryId": 3, "status": "available"}
-        deadline = time.monotonic() + self.create_deadline
-        while time.monotonic() < deadline:
+        began = time.monotonic()
+        tries: list[tuple[float, str]] = []
+        while time.monotonic() < began + self.create_deadline:
+            sent = time.monotonic() - began
             answer = self.send("POST", "/v1/pets", headers=headers, json_body=body)
+            tries.append((sent, "no answer" if answer is None else str(answer.status)))
             if answer is not None and answer.status == 201:
                 with self.lock:
                     self.created.append(answer.body["id"])
@@ -73,7 +93,10 @@ class MixedLoad:
             if answer is not None and answer.status != 503:
                 break
         with self.lock:
-            self.abandoned.append(name)
+            self.abandoned.append(
+                f"{name} (Idempotency-Key {headers['Idempotency-Key']}, first sent at "
+                f"{time.time() - (time.monotonic() - began):.1f}): {summarise(tries)}"
+            )
 
     def request(self, number: int) -> None:
         step = number % 3

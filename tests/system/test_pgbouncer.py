@@ -21,7 +21,8 @@ from pathlib import Path
 import psycopg
 import pytest
 import redis
-from psycopg import sql
+from psycopg import conninfo, sql
+from psycopg.rows import dict_row
 
 from petstore import auth, config, db
 from tests.conftest import TEST_REDIS_URL
@@ -374,3 +375,135 @@ def test_an_undeclared_pooler_with_another_timeout_still_serves(pooled: Pooled) 
                 f"statement_timeout is {STATEMENT_TIMEOUT_MS} ms on the server, expected 60000 ms"
             )
             assert "statement_timeout behind the pooler is" in app.log_path.read_text()
+
+
+def read_only(url: str, on: bool) -> None:
+    """Make every new session of `url`'s database read-only (a standby, as libpq sees it) or
+    not, and cut its sessions: a PgBouncer before it logs in again, and learns the new value."""
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute("set default_transaction_read_only = off")
+        admin.execute(
+            sql.SQL("alter database {} set default_transaction_read_only = {}").format(
+                sql.Identifier(admin.info.dbname), sql.Literal("on" if on else "off")
+            )
+        )
+        admin.execute(
+            "select pg_terminate_backend(pid) from pg_stat_activity "
+            "where datname = %s and pid <> pg_backend_pid()",
+            [admin.info.dbname],
+        )
+
+
+def test_a_failover_behind_the_pgbouncers_is_followed(database_url: str, tmp_path: Path) -> None:
+    """Two PgBouncers, each before a database of its own (a node): the first one's read-write
+    (the primary), the second one's read-only (a standby), then the roles swap. Each bouncer
+    tells its new clients the role it cached at its first login (PgBouncer issue #859), so
+    libpq's target_session_attrs=read-write takes the demoted node and refuses the promoted one;
+    the service's pool asks the servers and takes the promoted one."""
+    with (
+        empty_database(database_url, "_demoted") as demoted_url,
+        empty_database(database_url, "_promoted") as promoted_url,
+        PgBouncer(tmp_path / "demoted", demoted_url) as demoted,
+        PgBouncer(tmp_path / "promoted", promoted_url) as promoted,
+    ):
+        both = conninfo.make_conninfo(
+            demoted.url(),
+            host="127.0.0.1,127.0.0.1",
+            port=f"{demoted.port},{promoted.port}",
+            target_session_attrs="read-write",
+            connect_timeout=str(CONNECT_TIMEOUT),
+        )
+        settings = config.from_environ({"DATABASE_URL": both, "PETSTORE_DB_POOLER": "transaction"})
+        for url in (demoted_url, promoted_url):
+            with psycopg.connect(url, autocommit=True, row_factory=dict_row) as admin:
+                db.pin_statement_timeout(admin, settings["DB_STATEMENT_TIMEOUT_MS"])
+        read_only(promoted_url, True)
+        # Each bouncer's first login, with the roles before the failover.
+        for bouncer, role in ((demoted, "off"), (promoted, "on")):
+            with psycopg.connect(bouncer.url()) as first:
+                assert first.info.parameter_status("default_transaction_read_only") == role
+        read_only(demoted_url, True)
+        read_only(promoted_url, False)
+        with psycopg.connect(both) as stale:
+            # The failure itself: libpq takes the demoted node, where a write is refused.
+            name = conninfo.conninfo_to_dict(demoted_url)["dbname"]
+            assert stale.execute("select current_database()").fetchone() == (name,)
+            with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+                stale.execute("create table t (n int)")
+        pool = db.open_pool({**settings, "DB_POOL_SIZE": 1})
+        try:
+            with pool.connection(timeout=10) as conn:
+                row = conn.execute("select current_database() as name").fetchone()
+                assert row == {"name": conninfo.conninfo_to_dict(promoted_url)["dbname"]}
+                conn.execute("create table t (n int)")
+        finally:
+            pool.close()
+
+
+SLOW_COMMIT = """
+create function wait_at_commit() returns trigger language plpgsql as $$
+begin
+    if new.name = 'at-commit' then
+        perform pg_advisory_xact_lock(%(lock)s);
+    end if;
+    return null;
+end $$;
+create constraint trigger wait_at_commit after insert on pets
+    deferrable initially deferred for each row execute function wait_at_commit();
+"""
+LOCK = 727
+
+
+def test_a_server_gone_during_a_commit_is_503_and_the_retry_stores_once(pooled: Pooled) -> None:
+    """The backend running a create's COMMIT is terminated (as when its postmaster dies): behind
+    PgBouncer the COMMIT gets the backend's FATAL and the bouncer's "server conn crashed?", two
+    answers psycopg cannot account for (InternalError). Whether it committed is unknown to the
+    service: 503 with Retry-After, and the retry with the same Idempotency-Key stores one pet."""
+    key = issue(pooled)
+    headers = bearer(key, **{"Idempotency-Key": uuid.uuid4().hex})
+    body = {"name": "at-commit", "categoryId": 1, "status": "available"}
+    with pooled.direct() as admin:
+        admin.execute(SLOW_COMMIT % {"lock": LOCK})
+    try:
+        with pooled.gunicorn("at-commit") as app, pooled.direct() as holder:
+            holder.execute("select pg_advisory_lock(%s)", [LOCK])
+            answers = []
+            sender = threading.Thread(
+                target=lambda: answers.append(
+                    call(app.url, "POST", "/v1/pets", headers=headers, json_body=body)
+                )
+            )
+            sender.start()
+            # The COMMIT waits in the deferred trigger for the lock (the statement timeout, 1 s,
+            # is the bound on finding it); then its backend is terminated.
+            waiting = poll_until(
+                lambda: holder.execute(
+                    """
+                    select pid
+                      from pg_stat_activity
+                     where query = 'COMMIT' and wait_event_type = 'Lock'
+                    """
+                ).fetchone(),
+                lambda row: row is not None,
+                STATEMENT_TIMEOUT_MS / 1000,
+                0.01,
+            )
+            assert waiting is not None, "no COMMIT waited at the lock"
+            holder.execute("select pg_terminate_backend(%s)", [waiting["pid"]])
+            sender.join(timeout=HTTP_TIMEOUT)
+            holder.execute("select pg_advisory_unlock(%s)", [LOCK])
+            (refused,) = answers
+            log = app.log_path.read_text(encoding="utf-8")
+            assert refused.status == 503, (refused.status, refused.body, log[-3000:])
+            assert refused.body["code"] == "service_unavailable"
+            assert int(refused.headers["Retry-After"]) >= 1
+            assert "received 2 results from command 'COMMIT'" in log
+            again = call(app.url, "POST", "/v1/pets", headers=headers, json_body=body)
+            assert again.status == 201, (again.status, again.body)
+        with pooled.direct() as conn:
+            rows = conn.execute("select id from pets where name = 'at-commit'").fetchall()
+        assert rows == [{"id": again.body["id"]}]
+    finally:
+        with pooled.direct() as admin:
+            admin.execute("drop trigger wait_at_commit on pets")
+            admin.execute("drop function wait_at_commit()")
