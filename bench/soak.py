@@ -183,7 +183,7 @@ def whole_stack(workdir: Path) -> Iterator[Stack]:
             for node in cluster.nodes
         }
         # Writes follow the leader lock: HAProxy checks each node's Patroni and sends to its
-        # PgBouncer (docs/deploying.rst, "Writes follow the leader lock").
+        # PgBouncer (docs/deploying.rst, "Writes follow the leader lock (HAProxy)").
         haproxy = stack.enter_context(
             HAProxy(
                 workdir / "haproxy",
