@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from flask import Flask, current_app, request
+from flask import Flask, current_app, g, request
 
+from petstore.caller import Caller, caller_at
 from petstore.db import Connection, get_conn
 from petstore.errors import APIError
 from petstore.keycache import KeyCache
@@ -125,7 +127,7 @@ def current_view() -> Callable[..., Any] | None:
     return view
 
 
-def require_scope(caller: Mapping[str, Any] | None, view: Callable[..., Any] | None) -> None:
+def require_scope(caller: Caller | None, view: Callable[..., Any] | None) -> None:
     """403 insufficient_scope when the key lacks the scope its view needs (RFC 6750).
 
     A view needs the scope its mark (needs_scope) names, else its method's: read for GET and
@@ -135,8 +137,7 @@ def require_scope(caller: Mapping[str, Any] | None, view: Callable[..., Any] | N
     if caller is None or view is None:
         return
     scope = getattr(view, "scope", None) or method_scope(request.method)
-    # Space-separated, as OAuth writes scopes: a text is cheaper to read than an array.
-    if scope not in caller["scopes"].split():
+    if scope not in caller.scopes:
         raise APIError(
             403,
             f"This API key lacks the {scope!r} scope this operation needs.",
@@ -170,14 +171,12 @@ def needs_key(view: Callable[..., Any] | None) -> bool:
     return not getattr(view, "public", False)
 
 
-def identify_caller(
-    view: Callable[..., Any] | None,
-) -> tuple[dict[str, Any] | None, APIError | None]:
-    """(the key's row, None), or (None, the 401 to answer): who is calling `view` (current_view()),
+def identify_caller(view: Callable[..., Any] | None) -> tuple[Caller | None, APIError | None]:
+    """(the caller, None), or (None, the 401 to answer): who is calling `view` (current_view()),
     refusing nothing yet.
 
-    The row has id, plan, per_minute, per_day, scopes, expired and banned_until, from the
-    worker's key cache or the database (petstore.keycache). Refusing happens later, in
+    The caller comes from the worker's key cache or the database (petstore.keycache). Refusing
+    happens later, in
     require_caller, so that a request without a valid key spends its address's budget first.
     When the database cannot be asked, its error propagates: a 503, and no budget is spent.
     """
@@ -188,13 +187,21 @@ def identify_caller(
         return None, unauthorized(
             "An API key is required: send 'Authorization: Bearer <key>'.", False
         )
-    row = get_key_cache().caller(hash_key(token), find_key) if KEY_SHAPE.fullmatch(token) else None
-    if row is None:
+    caller = (
+        get_key_cache().caller(hash_key(token), find_key) if KEY_SHAPE.fullmatch(token) else None
+    )
+    if caller is None:
         return None, unauthorized("The API key is not valid.", True)
-    if row["expired"]:
+    if caller.expired:
         # Known, but past its expiry: a message of its own, so its holder knows to get a new one.
         return None, unauthorized("The API key has expired.", True)
-    return row, None
+    return caller, None
+
+
+def current_caller() -> Caller:
+    """The caller the pipeline identified for this request: views that need a key have one."""
+    caller: Caller = g.caller
+    return caller
 
 
 def find_key(key_hash: bytes) -> dict[str, Any] | None:
@@ -208,12 +215,13 @@ def get_key_cache() -> KeyCache:
     return cache
 
 
-def reread_caller() -> dict[str, Any] | None:
-    """The request's caller read again from the database, past the key cache (KeyCache.reread)."""
-    token = bearer_token(request.headers.get("Authorization", ""))
-    if token is None or not KEY_SHAPE.fullmatch(token):
-        return None
-    return get_key_cache().reread(hash_key(token), find_key)
+def kept_key_caller(conn: Connection, key: str) -> Caller | None:
+    """The caller `key` names in `conn`'s database now, past the key cache; None unless the key
+    is valid and unexpired (make run asks this of the key it kept from an earlier run)."""
+    key_hash = hash_key(key)
+    row = keys.find_key_by_hash(conn, key_hash)
+    caller = None if row is None else caller_at(row, key_hash, time.time())
+    return None if caller is None or caller.expired else caller
 
 
 def forget_key(key_id: int) -> None:

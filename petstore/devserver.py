@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import click
 import psycopg
 from psycopg import sql
 
-from petstore import auth, config, db, keycache
+from petstore import auth, config, db
 from petstore.queries import keys
 
 GUNICORN_CONFIG = Path("deploy/gunicorn.conf.py")
@@ -221,10 +220,9 @@ def development_key(conn: db.Connection, path: Path) -> tuple[str, int, bool]:
     except OSError:
         kept = ""
     if kept:
-        row = keys.find_key_by_hash(conn, auth.hash_key(kept))
-        caller = None if row is None else keycache.caller_at(row, time.time())
-        if caller is not None and not caller["expired"]:
-            return kept, int(caller["id"]), True
+        caller = auth.kept_key_caller(conn, kept)
+        if caller is not None:
+            return kept, caller.key_id, True
     keys.revoke_keys_labelled(conn, DEV_KEY_LABEL)
     key, row = auth.issue_key(conn, "free", DEV_KEY_LABEL, None, None)
     path.unlink(missing_ok=True)

@@ -11,7 +11,7 @@ from flask import Blueprint, Response, current_app
 from werkzeug.http import http_date
 
 from petstore import idempotency, schemas
-from petstore.auth import needs_scope
+from petstore.auth import current_caller, needs_scope
 from petstore.db import Connection, durable_write, get_conn, read
 from petstore.errors import APIError
 from petstore.openapi import (
@@ -174,7 +174,7 @@ def create_pet() -> Response:
     with durable_write(conn):
         if key is None:
             return store(conn)
-        return idempotency.once(conn, key, new_pet, store)
+        return idempotency.once(conn, current_caller().key_id, key, new_pet, store)
 
 
 @OPERATIONS.describe("/pets/{petId}", "get")
