@@ -108,6 +108,22 @@ def reread(caller: Caller) -> Caller:
     return caller if fresh is None else fresh
 
 
+def ban_key(
+    conn: db.Connection, settings: Mapping[str, Any], key_id: int, strikes: int
+) -> dict[str, Any] | None:
+    """Ban the key `key_id` after `strikes` strikes, as the BAN_* `settings` say (BAN_SECONDS, or
+    longer for a repeat); None when it is banned already. Run it in a transaction."""
+    return ban_sql.insert_ban(
+        conn,
+        key_id=key_id,
+        base_seconds=settings["BAN_SECONDS"],
+        strikes=strikes,
+        escalation=settings["BAN_ESCALATION"],
+        max_seconds=settings["BAN_MAX_SECONDS"],
+        repeat_seconds=settings["BAN_REPEAT_SECONDS"],
+    )
+
+
 def strike(limiter: PlanLimiter, caller: Caller, spent: RateLimitItem) -> str:
     """Count a 429 against the key in the limiter storage; at the threshold, ban it in PostgreSQL.
 
@@ -124,15 +140,7 @@ def strike(limiter: PlanLimiter, caller: Caller, spent: RateLimitItem) -> str:
             return warning(config, strikes)
         conn = db.get_conn()
         with conn.transaction():
-            ban = ban_sql.insert_ban(
-                conn,
-                key_id=caller.key_id,
-                base_seconds=config["BAN_SECONDS"],
-                strikes=strikes,
-                escalation=config["BAN_ESCALATION"],
-                max_seconds=config["BAN_MAX_SECONDS"],
-                repeat_seconds=config["BAN_REPEAT_SECONDS"],
-            )
+            ban = ban_key(conn, config, caller.key_id, strikes)
         # This worker's next request of the key sees the ban, whoever stored it.
         auth.forget_key(caller.key_id)
         # A new ban starts a new count: after it ends, the key gets a full threshold again.
