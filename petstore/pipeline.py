@@ -55,6 +55,7 @@ def before_view() -> None:
     else:
         g.rate_limit_headers, limited = bans.refuse_banned(caller)
     if limited is not None:
+        g.limited_code = limited.code  # for the metrics: the 429's code, not parsed back
         raise limited
     auth.require_caller(refusal)
     auth.require_scope(caller, view)
@@ -65,7 +66,7 @@ def after_view(response: Response) -> Response:
     # Only where before_view counted or refused: /v1 paths.
     budgets.set_headers(response, g.get("rate_limit_headers"))
     logs.finish_request(response)
-    metrics.observe_request(response)
+    metrics.observe_request(response, g.get("limited_code"))
     return response
 
 
