@@ -40,7 +40,7 @@ def before_view() -> None:
         return
     if request.method == "POST":
         # Before a pooled connection is taken: a slow body holds a thread, never a connection.
-        web.read_body()
+        g.body = web.read_body_or_error()
     view = auth.current_view()
     try:
         caller, refusal = auth.identify_caller(view)

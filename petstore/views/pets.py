@@ -24,7 +24,7 @@ from petstore.openapi import (
     rate_limit_headers,
 )
 from petstore.queries import pets as pet_sql
-from petstore.web import API_PREFIX, json_body, json_response, validate, validate_query
+from petstore.web import API_PREFIX, body_as_json, json_response, validate, validate_query
 
 bp = Blueprint("pets", __name__)
 OPERATIONS = Operations()
@@ -155,7 +155,7 @@ def idempotency_key_parameter() -> dict[str, Any]:
 @needs_scope("write")
 def create_pet() -> Response:
     """createPet: store a NewPet, answer 201 with the Pet and its Location; Idempotency-Key aware."""
-    body = json_body()
+    body = body_as_json()
     new_pet = schemas.plain_new_pet(body) or validate(schemas.new_pet, body)
     key = idempotency.requested_key()
 
