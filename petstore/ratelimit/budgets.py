@@ -73,9 +73,9 @@ def count(caller: Caller | None) -> tuple[Shown | None, APIError | None]:
             warning = ""
             if caller is not None:
                 caller = bans.reread(caller)
-                banned = bans.refuse_banned(caller)
-                if banned[1] is not None:
-                    return banned
+                ban_shown, banned = bans.refuse_banned(caller)
+                if banned is not None:
+                    return ban_shown, banned
                 # No ban without warning: each 429 of a key says how many more ban it.
                 warning = bans.strike(limiter, caller, limit)
             return (limit, 0, math.ceil(reset), limits), APIError(
