@@ -1,4 +1,4 @@
-"""WSGI entry point: `gunicorn wsgi:app`, configured from the environment alone.
+"""WSGI entry point: `gunicorn wsgi:app`, configured from the environment alone, read once here.
 
 A bad or missing setting prints one line naming it and exits with status 4, gunicorn's "app failed
 to load", so that its master stops instead of booting workers that fail the same way forever.
@@ -32,7 +32,7 @@ def load() -> Flask:
     logs.configure(settings["LOG_LEVEL"])
     # Before the pool opens, so that this line comes before the pool's own retries.
     check_database(settings)
-    return create_app()
+    return create_app(settings=settings)
 
 
 def check_database(settings: dict[str, object]) -> None:

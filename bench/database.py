@@ -18,7 +18,7 @@ from psycopg import conninfo, sql
 from psycopg.rows import dict_row
 
 from bench.measure import ROOT, log
-from petstore import auth, config, db, migrations
+from petstore import config, db, keys, migrations
 from petstore.queries import pets
 
 EMBEDDED_DIR = ROOT / "var" / "bench-postgres"
@@ -201,7 +201,7 @@ def bench_database(args: argparse.Namespace) -> Iterator[tuple[str, str, str, Co
         cleanup.callback(drop_database, server_url, args.scratch_database)
         with db.connect(config.from_environ({"DATABASE_URL": database_url})) as setup:
             migrations.upgrade(setup)
-            key, _row = auth.issue_key(setup, "enterprise", "bench", 10**9, 10**9)
+            key, _row = keys.issue_key(setup, "enterprise", "bench", 10**9, 10**9)
         conn = cleanup.enter_context(
             psycopg.connect(
                 database_url,

@@ -1,6 +1,6 @@
 """The bare-Flask floor: what Flask itself allows for the service's essential work, written plainly.
 
-The same bearer key and key query (petstore.auth.hash_key, keys.find_key_by_hash), the same SQL
+The same bearer key and key query (petstore.keys.hash_key, keys.find_key_by_hash), the same SQL
 (petstore.queries.pets), the same JSON bodies and headers, a per-key fixed-window counter per
 minute and per day with X-RateLimit-Limit/-Remaining/-Reset (the limit nearest to running out),
 errors in the service's Error shape, a pool made by petstore.db.open_pool. No marshmallow, no
@@ -26,7 +26,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.http import http_date
 
 from petstore import config, db
-from petstore.auth import hash_key
+from petstore.keys import hash_key
 from petstore.queries import keys, pets
 from petstore.ratelimit.plans import PLAN_LIMITS
 from petstore.schemas import DIGITS, INT64_MAX, PET_STATUSES

@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl, urlencode
 from psycopg_pool import ConnectionPool
 
 from petstore import config, db
-from petstore.auth import hash_key
+from petstore.keys import hash_key
 from petstore.queries import keys, pets
 from petstore.schemas import DIGITS, INT64_MAX, PET_STATUSES
 

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
-import secrets
-from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
+import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-from flask import Flask, current_app, request
+from flask import Flask, current_app, g, request
 
+from petstore.caller import Caller, caller_at
 from petstore.db import Connection, get_conn
 from petstore.errors import APIError
 from petstore.keycache import KeyCache
-from petstore.queries import keys
+from petstore.keys import KEY_SHAPE, SCOPES, hash_key
+from petstore.queries import keys as key_sql
 
-KEY_PREFIX = "ps_"
-# "ps_" + 43 characters of base64url: 256 random bits.
-KEY_SHAPE = re.compile(r"ps_[A-Za-z0-9_-]{43}")
 REALM = 'Bearer realm="petstore"'
 # RFC 6750: the scheme in any case, then one or more spaces (only spaces: a no-break space
 # or a tab is no separator), then the token; ASCII only, so no Unicode case folding either.
@@ -26,68 +23,8 @@ BEARER = re.compile(r"bearer +(.+)", re.IGNORECASE | re.ASCII | re.DOTALL)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# What a key may do (sql/0005): GET operations need read, POST ones write. New keys get both.
-SCOPES = ("read", "write")
 # The methods that only read; any other needs write unless its view says otherwise (default deny).
 READ_METHODS = frozenset(("GET", "HEAD"))
-
-
-def new_key() -> str:
-    """A fresh random API key, to be shown once and stored only as its hash."""
-    return KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def hash_key(key: str) -> bytes:
-    """The stored form of a key (sha256: keys are random, so no slow hash is needed)."""
-    return hashlib.sha256(key.encode()).digest()
-
-
-def display_prefix(key: str) -> str:
-    """The start of a key, shown in listings so people can tell keys apart."""
-    return key[: len(KEY_PREFIX) + 8]
-
-
-def issue_key(
-    conn: Connection,
-    plan: str,
-    label: str = "",
-    per_minute: int | None = None,
-    per_day: int | None = None,
-    expires_at: datetime | None = None,
-    scopes: Sequence[str] = SCOPES,
-) -> tuple[str, dict[str, Any]]:
-    """Make a key and store its hash; return (key, row): the only time the key exists in clear."""
-    key = new_key()
-    row = keys.insert_key(
-        conn,
-        key_hash=hash_key(key),
-        prefix=display_prefix(key),
-        label=label,
-        plan=plan,
-        per_minute=per_minute,
-        per_day=per_day,
-        expires_at=expires_at,
-        scopes=scopes,
-    )
-    return key, row
-
-
-def rotate_key(
-    conn: Connection, key_id: int, grace_seconds: int
-) -> tuple[str, dict[str, Any]] | None:
-    """A new secret for the key `key_id`, its old one valid `grace_seconds` more; None: no such key.
-
-    Same row, same id: budgets, strikes and bans are keyed by the id, so they carry over.
-    """
-    key = new_key()
-    row = keys.rotate_key(
-        conn,
-        key_id,
-        key_hash=hash_key(key),
-        prefix=display_prefix(key),
-        grace_seconds=grace_seconds,
-    )
-    return None if row is None else (key, row)
 
 
 def public(view: F) -> F:
@@ -125,7 +62,7 @@ def current_view() -> Callable[..., Any] | None:
     return view
 
 
-def require_scope(caller: Mapping[str, Any] | None, view: Callable[..., Any] | None) -> None:
+def require_scope(caller: Caller | None, view: Callable[..., Any] | None) -> None:
     """403 insufficient_scope when the key lacks the scope its view needs (RFC 6750).
 
     A view needs the scope its mark (needs_scope) names, else its method's: read for GET and
@@ -135,8 +72,7 @@ def require_scope(caller: Mapping[str, Any] | None, view: Callable[..., Any] | N
     if caller is None or view is None:
         return
     scope = getattr(view, "scope", None) or method_scope(request.method)
-    # Space-separated, as OAuth writes scopes: a text is cheaper to read than an array.
-    if scope not in caller["scopes"].split():
+    if scope not in caller.scopes:
         raise APIError(
             403,
             f"This API key lacks the {scope!r} scope this operation needs.",
@@ -170,14 +106,12 @@ def needs_key(view: Callable[..., Any] | None) -> bool:
     return not getattr(view, "public", False)
 
 
-def identify_caller(
-    view: Callable[..., Any] | None,
-) -> tuple[dict[str, Any] | None, APIError | None]:
-    """(the key's row, None), or (None, the 401 to answer): who is calling `view` (current_view()),
+def identify_caller(view: Callable[..., Any] | None) -> tuple[Caller | None, APIError | None]:
+    """(the caller, None), or (None, the 401 to answer): who is calling `view` (current_view()),
     refusing nothing yet.
 
-    The row has id, plan, per_minute, per_day, scopes, expired and banned_until, from the
-    worker's key cache or the database (petstore.keycache). Refusing happens later, in
+    The caller comes from the worker's key cache or the database (petstore.keycache). Refusing
+    happens later, in
     require_caller, so that a request without a valid key spends its address's budget first.
     When the database cannot be asked, its error propagates: a 503, and no budget is spent.
     """
@@ -188,18 +122,26 @@ def identify_caller(
         return None, unauthorized(
             "An API key is required: send 'Authorization: Bearer <key>'.", False
         )
-    row = get_key_cache().caller(hash_key(token), find_key) if KEY_SHAPE.fullmatch(token) else None
-    if row is None:
+    caller = (
+        get_key_cache().caller(hash_key(token), find_key) if KEY_SHAPE.fullmatch(token) else None
+    )
+    if caller is None:
         return None, unauthorized("The API key is not valid.", True)
-    if row["expired"]:
+    if caller.expired:
         # Known, but past its expiry: a message of its own, so its holder knows to get a new one.
         return None, unauthorized("The API key has expired.", True)
-    return row, None
+    return caller, None
+
+
+def current_caller() -> Caller:
+    """The caller the pipeline identified for this request: views that need a key have one."""
+    caller: Caller = g.caller
+    return caller
 
 
 def find_key(key_hash: bytes) -> dict[str, Any] | None:
     """The row of the key with this secret's hash, from the database (keys.find_key_by_hash)."""
-    return keys.find_key_by_hash(get_conn(), key_hash)
+    return key_sql.find_key_by_hash(get_conn(), key_hash)
 
 
 def get_key_cache() -> KeyCache:
@@ -208,12 +150,13 @@ def get_key_cache() -> KeyCache:
     return cache
 
 
-def reread_caller() -> dict[str, Any] | None:
-    """The request's caller read again from the database, past the key cache (KeyCache.reread)."""
-    token = bearer_token(request.headers.get("Authorization", ""))
-    if token is None or not KEY_SHAPE.fullmatch(token):
-        return None
-    return get_key_cache().reread(hash_key(token), find_key)
+def kept_key_caller(conn: Connection, key: str) -> Caller | None:
+    """The caller `key` names in `conn`'s database now, past the key cache; None unless the key
+    is valid and unexpired (make run asks this of the key it kept from an earlier run)."""
+    key_hash = hash_key(key)
+    row = key_sql.find_key_by_hash(conn, key_hash)
+    caller = None if row is None else caller_at(row, key_hash, time.time())
+    return None if caller is None or caller.expired else caller
 
 
 def forget_key(key_id: int) -> None:

@@ -13,8 +13,9 @@ from typing import Any
 import click
 import psycopg
 
-from petstore import auth, config, db, devserver, migrations, openapi, views
-from petstore.queries import bans, idempotency, keys
+from petstore import config, db, devserver, keys, migrations, openapi, views
+from petstore.queries import bans, idempotency
+from petstore.queries import keys as key_sql
 from petstore.ratelimit.bans import clear_strikes
 from petstore.ratelimit.plans import PLANS
 
@@ -215,10 +216,10 @@ def parse_expiry(expires_in: str | None, expires_at: str | None) -> datetime | N
 def parse_scopes(given: tuple[str, ...]) -> tuple[str, ...]:
     """The scopes of --scope (repeatable, or comma-separated); both when none is given."""
     scopes = tuple(dict.fromkeys(part.strip() for text in given for part in text.split(",")))
-    unknown = [scope for scope in scopes if scope not in auth.SCOPES]
+    unknown = [scope for scope in scopes if scope not in keys.SCOPES]
     if unknown:
-        raise BadInput(f"--scope {unknown[0]!r} is not a scope: use {' or '.join(auth.SCOPES)}")
-    return scopes or auth.SCOPES
+        raise BadInput(f"--scope {unknown[0]!r} is not a scope: use {' or '.join(keys.SCOPES)}")
+    return scopes or keys.SCOPES
 
 
 @keys_group.command("create")
@@ -253,7 +254,7 @@ def keys_create(
     expiry = parse_expiry(expires_in, expires_at)
     wanted = parse_scopes(scopes)
     with database() as conn:
-        key, row = auth.issue_key(conn, plan, label, per_minute, per_day, expiry, wanted)
+        key, row = keys.issue_key(conn, plan, label, per_minute, per_day, expiry, wanted)
     expiring = f", expires {row['expires_at']:%Y-%m-%d %H:%M:%S%z}" if row["expires_at"] else ""
     click.echo(
         f"created key {row['id']} ({row['prefix']}..., plan {row['plan']}, "
@@ -266,7 +267,7 @@ def keys_create(
 def keys_list() -> None:
     """Every key: id, prefix, plan, numbers, label, state."""
     with database() as conn:
-        rows = keys.list_keys(conn)
+        rows = key_sql.list_keys(conn)
     click.echo(
         f"{'id':>6}  {'prefix':<12} {'plan':<10} {'/minute':>8} {'/day':>9}  {'state':<8} "
         f"{'scope':<10} {'expires':<24} label"
@@ -292,8 +293,8 @@ def keys_revoke(key_text: str) -> None:
     """Revoke a key now; its next request gets 401."""
     key_id = parse_key_id(key_text)
     with database() as conn:
-        if not keys.revoke_key(conn, key_id):
-            if keys.find_key(conn, key_id) is None:
+        if not key_sql.revoke_key(conn, key_id):
+            if key_sql.find_key(conn, key_id) is None:
                 raise NoSuchKey(f"no key with id {key_id}: nothing revoked")
             raise NothingToDo(f"key {key_id} is revoked already: nothing to do")
     click.echo(f"revoked key {key_id}")
@@ -312,7 +313,7 @@ def keys_rotate(key_text: str, grace: str) -> None:
     key_id = parse_key_id(key_text)
     grace_seconds = parse_duration("--grace", grace)
     with database() as conn:
-        rotated = auth.rotate_key(conn, key_id, grace_seconds)
+        rotated = keys.rotate_key(conn, key_id, grace_seconds)
     if rotated is None:
         raise NoSuchKey(f"no live key with id {key_id} (unknown or revoked): nothing rotated")
     key, row = rotated

@@ -344,7 +344,7 @@ class Standbys:
         return self.behind
 
 
-def read(query: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+def read_on_standby_if_any(query: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """`query(conn, ...)` on a standby (PETSTORE_READ_DATABASE_URL), else on the primary.
 
     Only for statements that write nothing and may lag by the replication delay, up to

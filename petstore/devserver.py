@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +22,8 @@ import click
 import psycopg
 from psycopg import sql
 
-from petstore import auth, config, db, keycache
-from petstore.queries import keys
+from petstore import auth, config, db, keys
+from petstore.queries import keys as key_sql
 
 GUNICORN_CONFIG = Path("deploy/gunicorn.conf.py")
 # Under var/: held by the `make run` that serves (with its pid and address), and the URL of its
@@ -221,12 +220,11 @@ def development_key(conn: db.Connection, path: Path) -> tuple[str, int, bool]:
     except OSError:
         kept = ""
     if kept:
-        row = keys.find_key_by_hash(conn, auth.hash_key(kept))
-        caller = None if row is None else keycache.caller_at(row, time.time())
-        if caller is not None and not caller["expired"]:
-            return kept, int(caller["id"]), True
-    keys.revoke_keys_labelled(conn, DEV_KEY_LABEL)
-    key, row = auth.issue_key(conn, "free", DEV_KEY_LABEL, None, None)
+        caller = auth.kept_key_caller(conn, kept)
+        if caller is not None:
+            return kept, caller.key_id, True
+    key_sql.revoke_keys_labelled(conn, DEV_KEY_LABEL)
+    key, row = keys.issue_key(conn, "free", DEV_KEY_LABEL, None, None)
     path.unlink(missing_ok=True)
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "w", encoding="utf-8") as file:

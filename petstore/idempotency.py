@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from flask import Response, current_app, g, request
+from flask import Response, current_app, request
 
 from petstore import metrics
 from petstore.db import Connection
@@ -38,7 +38,9 @@ def fingerprint(payload: Any) -> bytes:
     return hashlib.sha256(canonical.encode()).digest()
 
 
-def replay(conn: Connection, key: str, stored: dict[str, Any], digest: bytes) -> Response:
+def replay(
+    conn: Connection, key_id: int, key: str, stored: dict[str, Any], digest: bytes
+) -> Response:
     """The recorded response again, or 409 Conflict when the key came with a different request.
 
     Only once the record is on the synchronous standby: the first answer may have been a 503
@@ -52,7 +54,7 @@ def replay(conn: Connection, key: str, stored: dict[str, Any], digest: bytes) ->
             "use a new key for a new request.",
             "idempotency_key_reused",
         )
-    idempotency_sql.rewrite_record(conn, key_id=g.caller["id"], idempotency_key=key)
+    idempotency_sql.rewrite_record(conn, key_id=key_id, idempotency_key=key)
     response = current_app.response_class(
         stored["body"], status=stored["status"], mimetype="application/json"
     )
@@ -65,20 +67,21 @@ def replay(conn: Connection, key: str, stored: dict[str, Any], digest: bytes) ->
 
 def once(
     conn: Connection,
+    key_id: int,
     key: str,
     payload: Any,
     work: Callable[[Connection], Response],
 ) -> Response:
-    """Run `work` for the first request with this key; replay its response to the others.
+    """Run `work` for the first request of the API key `key_id` with the Idempotency-Key `key`;
+    replay its response to the others.
 
     The work and the record of its response share one transaction. A request racing the first
     one waits on the record's primary key, then rolls its own work back and replays.
     """
-    key_id = g.caller["id"]
     digest = fingerprint(payload)
     stored = idempotency_sql.find_response(conn, key_id=key_id, idempotency_key=key)
     if stored is not None:
-        return replay(conn, key, stored, digest)
+        return replay(conn, key_id, key, stored, digest)
     response: Response | None = None
     with conn.transaction():
         response = work(conn)
@@ -98,4 +101,4 @@ def once(
         return response
     stored = idempotency_sql.find_response(conn, key_id=key_id, idempotency_key=key)
     assert stored is not None, "a claim lost to a committed record"
-    return replay(conn, key, stored, digest)
+    return replay(conn, key_id, key, stored, digest)

@@ -1,5 +1,6 @@
-"""The rows of recently seen keys, kept in each worker for KEY_CACHE_SECONDS: a request whose
-key is held makes one database round trip (its own query), not two.
+"""The callers (petstore.caller) of recently seen keys, kept in each worker for
+KEY_CACHE_SECONDS: a request whose key is held makes one database round trip (its own query),
+not two.
 
 What it promises (docs/cli.rst, "The key cache"): a change to a key in the database (revocation, a
 rotation's grace cut short, scopes, plan, numbers, a ban or its lift) is seen by every worker
@@ -13,43 +14,15 @@ them, the least recently fetched going first.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Callable, Mapping
-from datetime import datetime
+from collections.abc import Callable
 from typing import Any
+
+from petstore.caller import Caller, caller_at, next_change
 
 # What find_key_by_hash answers for the hash of a token: the key's row, or None.
 Find = Callable[[bytes], dict[str, Any] | None]
-
-
-def instant(moment: datetime | None) -> float:
-    """Unix seconds of `moment`; None (never) is infinitely far."""
-    return math.inf if moment is None else moment.timestamp()
-
-
-def caller_at(found: Mapping[str, Any], now: float) -> dict[str, Any] | None:
-    """The caller a row of find_key_by_hash is at `now` (unix seconds), or None if by then it
-    names no valid key (its previous secret's grace has ended).
-
-    `expired` says whether the key has expired, and `banned_until` is the end of a ban still
-    running, else None.
-    """
-    if instant(found["grace_until"]) <= now:
-        return None
-    banned_until = found["banned_until"]
-    return {
-        **found,
-        "expired": instant(found["expires_at"]) <= now,
-        "banned_until": banned_until if instant(banned_until) > now else None,
-    }
-
-
-def next_change(found: Mapping[str, Any], now: float) -> float:
-    """The first instant after `now` at which caller_at(found, ...) answers otherwise."""
-    moments = (instant(found[name]) for name in ("expires_at", "grace_until", "banned_until"))
-    return min((moment for moment in moments if moment > now), default=math.inf)
 
 
 class Entry:
@@ -58,7 +31,7 @@ class Entry:
     __slots__ = ("changes_at", "caller", "found", "fresh_until")
 
     def __init__(
-        self, found: dict[str, Any], caller: dict[str, Any], fresh_until: float, now: float
+        self, found: dict[str, Any], caller: Caller, fresh_until: float, now: float
     ) -> None:
         self.found = found
         self.caller = caller
@@ -67,7 +40,7 @@ class Entry:
 
 
 class KeyCache:
-    """Key rows by their secret's hash, each used for `seconds` after its query started, at most
+    """Callers by their secret's hash, each used for `seconds` after its query started, at most
     `size` of them. Thread-safe: gthread workers share one per process."""
 
     def __init__(
@@ -81,7 +54,7 @@ class KeyCache:
         # Bumped by forget(): a row fetched before it is not stored after it.
         self.generation = 0
 
-    def caller(self, key_hash: bytes, find: Find) -> dict[str, Any] | None:
+    def caller(self, key_hash: bytes, find: Find) -> Caller | None:
         """The caller whose secret has this hash, or None: from the cache while fresh, else
         from `find` (whose errors propagate: nothing stale stands in for the database)."""
         entry = self.entries.get(key_hash)
@@ -89,12 +62,12 @@ class KeyCache:
             now = time.time()
             if now < entry.changes_at:
                 return entry.caller
-            return caller_at(entry.found, now)
+            return caller_at(entry.found, key_hash, now)
         generation = self.generation
         started = self.clock()
         found = find(key_hash)
         now = time.time()
-        caller = None if found is None else caller_at(found, now)
+        caller = None if found is None else caller_at(found, key_hash, now)
         if found is None or caller is None:
             if entry is not None:
                 with self.lock:
@@ -104,7 +77,7 @@ class KeyCache:
             self.store(key_hash, Entry(found, caller, started + self.seconds, now), generation)
         return caller
 
-    def reread(self, key_hash: bytes, find: Find) -> dict[str, Any] | None:
+    def reread(self, key_hash: bytes, find: Find) -> Caller | None:
         """The caller read again with `find`, and held afresh: for a decision that must not rest
         on a row another worker or instance may have changed since."""
         with self.lock:
@@ -127,5 +100,7 @@ class KeyCache:
         request asks the database. Rare (a ban), so a scan is fine."""
         with self.lock:
             self.generation += 1
-            for key_hash in [h for h, entry in self.entries.items() if entry.found["id"] == key_id]:
+            for key_hash in [
+                h for h, entry in self.entries.items() if entry.caller.key_id == key_id
+            ]:
                 del self.entries[key_hash]

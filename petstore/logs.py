@@ -209,7 +209,7 @@ def finish_request(response: Response) -> None:
         "path": path,
         "status": status,
         "duration_ms": round((time.perf_counter() - started) * 1000, 2) if started else None,
-        "key_id": caller["id"] if caller else None,
+        "key_id": caller.key_id if caller else None,
         "client_ip": req.remote_addr,
     }
     log.handle(record)

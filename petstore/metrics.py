@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 import psycopg_pool
-from flask import Flask, Response, current_app, g, json, request
+from flask import Flask, Response, current_app, g, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -317,8 +317,9 @@ def get_metrics() -> Metrics:
     return metrics
 
 
-def observe_request(response: Response) -> Response:
-    """Count the request and its latency by operation and status; note 429 codes.
+def observe_request(response: Response, limited_code: str | None = None) -> Response:
+    """Count the request and its latency by operation and status; note a 429's code, the one
+    the pipeline refused it with (`limited_code`: rate_limited or api_key_banned).
 
     The one per-request call (petstore.pipeline.after_view): it reads what the request left
     (its endpoint, g.started from petstore.logs.start_request) and the response, and changes
@@ -332,17 +333,9 @@ def observe_request(response: Response) -> Response:
         request.endpoint, status, None if started is None else time.perf_counter() - started
     )
     if status == 429:
-        metrics.too_many_requests.labels(code=too_many_requests_code(response)).inc()
+        code = limited_code if limited_code in TOO_MANY_REQUESTS_CODES else "other"
+        metrics.too_many_requests.labels(code=code).inc()
     return response
-
-
-def too_many_requests_code(response: Response) -> str:
-    """The Error code of a 429 answer, from the fixed set (anything else is "other")."""
-    try:
-        code = json.loads(response.get_data()).get("code")
-    except (ValueError, AttributeError):
-        return "other"
-    return code if code in TOO_MANY_REQUESTS_CODES else "other"
 
 
 def idempotent_replayed() -> None:

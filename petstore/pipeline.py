@@ -40,28 +40,33 @@ def before_view() -> None:
         return
     if request.method == "POST":
         # Before a pooled connection is taken: a slow body holds a thread, never a connection.
-        web.read_body()
+        g.body = web.read_body_or_error()
     view = auth.current_view()
     try:
         caller, refusal = auth.identify_caller(view)
     except DATABASE_UNAVAILABLE:
-        budgets.show_unspent()
+        g.rate_limit_headers = budgets.show_unspent()
         raise
     g.caller = caller  # for the view (idempotency records are per key) and the log line
     if caller is not None and getattr(view, "uncounted", False):
         return  # GET /v1/rate_limit: a valid key's own standing, never counted nor refused
-    if caller is None or caller["banned_until"] is None:
-        budgets.count(caller)
-    bans.refuse_banned(caller)
+    if caller is None or caller.banned_until is None:
+        g.rate_limit_headers, limited = budgets.count(caller)
+    else:
+        g.rate_limit_headers, limited = bans.refuse_banned(caller)
+    if limited is not None:
+        g.limited_code = limited.code  # for the metrics: the 429's code, not parsed back
+        raise limited
     auth.require_caller(refusal)
     auth.require_scope(caller, view)
 
 
 def after_view(response: Response) -> Response:
     """Everything between the view's answer (or error) and the client."""
-    budgets.set_headers(response)  # only where before_view counted: /v1 paths
+    # Only where before_view counted or refused: /v1 paths.
+    budgets.set_headers(response, g.get("rate_limit_headers"))
     logs.finish_request(response)
-    metrics.observe_request(response)
+    metrics.observe_request(response, g.get("limited_code"))
     return response
 
 

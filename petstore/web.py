@@ -40,29 +40,31 @@ def json_response(body: str, status: int = 200, headers: dict[str, str] | None =
 MALFORMED_BODY = ParseException
 
 
-def read_body() -> None:
-    """Read the body now (capped); request_body answers with it, or raises what reading raised."""
+def read_body_or_error() -> bytes | APIError | HTTPException:
+    """Read the body now (read_capped_body) and return it, or the error reading raised, for the
+    pipeline to store in g.body; stored_body answers with it later."""
     try:
-        g.body = capped_body()
+        return read_capped_body()
     except (APIError, HTTPException) as exc:
-        g.body = exc
+        return exc
 
 
-def request_body() -> bytes:
-    """The request body; 413 when it is longer than MAX_CONTENT_LENGTH, chunked bodies included.
+def stored_body() -> bytes:
+    """The request body the pipeline stored (else read now); 413 when it is longer than
+    MAX_CONTENT_LENGTH, chunked bodies included.
 
     400 when its framing is broken, before anything is stored.
     """
     body = g.get("body")
     if body is None:
-        return capped_body()
+        return read_capped_body()
     if isinstance(body, Exception):
         raise body
     data: bytes = body
     return data
 
 
-def capped_body() -> bytes:
+def read_capped_body() -> bytes:
     """Read the body from the client: 413 when it is longer than MAX_CONTENT_LENGTH, 400 when
     its framing is broken."""
     # gunicorn takes "gzip, chunked" for chunked and hands on the bytes undecoded; nginx refuses
@@ -86,11 +88,12 @@ def capped_body() -> bytes:
     return data
 
 
-def json_body() -> Any:
-    """The request body as JSON; 415 unless it is application/json, 400 unless it parses."""
+def body_as_json() -> Any:
+    """The stored request body parsed as JSON; 415 unless it is application/json, 400 unless it
+    parses."""
     if request.mimetype != "application/json":
         raise UnsupportedMediaType()
-    data = request_body()
+    data = stored_body()
     try:
         # The standard library's, as Flask's default JSON provider calls it, without the
         # provider lookup on the application context.

@@ -14,7 +14,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 from psycopg import conninfo, sql
 
-from petstore import auth, config, create_app, db, migrations
+from petstore import config, create_app, db, keys, migrations
 from tests.support import reports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +119,7 @@ def issue_key(conn: db.Connection) -> Callable[..., str]:
     """Create a key through the same code as `petstore keys create`; return the secret."""
 
     def issue(plan: str = "free", **numbers: Any) -> str:
-        key, _row = auth.issue_key(
+        key, _row = keys.issue_key(
             conn, plan, "test", numbers.get("per_minute"), numbers.get("per_day")
         )
         return key

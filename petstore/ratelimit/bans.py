@@ -7,9 +7,9 @@ import math
 import time
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from flask import current_app, g
+from flask import current_app
 from limits import RateLimitItem
 from limits.storage import storage_from_string
 
@@ -18,7 +18,11 @@ from petstore.errors import DATABASE_UNAVAILABLE, APIError
 from petstore.queries import bans as ban_sql
 from petstore.ratelimit import storages
 from petstore.ratelimit.limiter import PlanLimiter
-from petstore.ratelimit.plans import key_limits
+from petstore.ratelimit.plans import Shown
+
+if TYPE_CHECKING:
+    # Only for annotations: petstore.caller imports ratelimit.plans, whose package imports this.
+    from petstore.caller import Caller
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +45,21 @@ def strike_key(config: Mapping[str, Any], key_id: int, forgiven_at: datetime | N
     return f"{counter}/{round(forgiven_at.timestamp() * 1_000_000)}"
 
 
-def caller_strike_key(config: Mapping[str, Any], caller: Mapping[str, Any]) -> str:
-    """strike_key of the caller's row."""
-    return strike_key(config, caller["id"], caller["strikes_forgiven_at"])
+def caller_strike_key(config: Mapping[str, Any], caller: Caller) -> str:
+    """strike_key of the caller."""
+    return strike_key(config, caller.key_id, caller.strikes_forgiven_at)
 
 
-def refuse_banned(caller: Mapping[str, Any] | None) -> None:
-    """A banned key gets 429 api_key_banned until its ban ends (and spends no budget)."""
-    if caller is None or caller["banned_until"] is None:
-        return
-    until = caller["banned_until"].timestamp()
-    limits = key_limits(caller)
-    g.rate_limit_headers = (limits[0], 0, math.ceil(until), limits)
-    raise APIError(
+def refuse_banned(caller: Caller | None) -> tuple[Shown | None, APIError | None]:
+    """(what X-RateLimit-* show, the 429 api_key_banned) while the caller's ban runs (it spends
+    no budget); (None, None) for a caller not banned."""
+    if caller is None or caller.banned_until is None:
+        return None, None
+    until = caller.banned_until.timestamp()
+    limits = caller.limits
+    return (limits[0], 0, math.ceil(until), limits), APIError(
         429,
-        f"This API key is banned until {caller['banned_until'].isoformat(timespec='seconds')} "
+        f"This API key is banned until {caller.banned_until.isoformat(timespec='seconds')} "
         "for continuing to call after 429 responses.",
         "api_key_banned",
         headers={"Retry-After": str(seconds_until(until))},
@@ -88,7 +92,39 @@ def warning(config: Mapping[str, Any], strikes: int) -> str:
     )
 
 
-def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem) -> str:
+def reread(caller: Caller) -> Caller:
+    """The caller as the database has it now, by the hash it was found by, before a strike.
+
+    The key cache's row may predate a ban another worker stored, or a lift that forgave the
+    key's strikes: the database says (a refused request's query, paid by the caller that keeps
+    calling, not by everyone). The caller as held when the key is gone or the database cannot
+    be asked.
+    """
+    try:
+        fresh = auth.get_key_cache().reread(caller.key_hash, auth.find_key)
+    except DATABASE_UNAVAILABLE:
+        log.warning("cannot read key %s again before its strike", caller.key_id)
+        return caller
+    return caller if fresh is None else fresh
+
+
+def ban_key(
+    conn: db.Connection, settings: Mapping[str, Any], key_id: int, strikes: int
+) -> dict[str, Any] | None:
+    """Ban the key `key_id` after `strikes` strikes, as the BAN_* `settings` say (BAN_SECONDS, or
+    longer for a repeat); None when it is banned already. Run it in a transaction."""
+    return ban_sql.insert_ban(
+        conn,
+        key_id=key_id,
+        base_seconds=settings["BAN_SECONDS"],
+        strikes=strikes,
+        escalation=settings["BAN_ESCALATION"],
+        max_seconds=settings["BAN_MAX_SECONDS"],
+        repeat_seconds=settings["BAN_REPEAT_SECONDS"],
+    )
+
+
+def strike(limiter: PlanLimiter, caller: Caller, spent: RateLimitItem) -> str:
     """Count a 429 against the key in the limiter storage; at the threshold, ban it in PostgreSQL.
 
     Returns the sentence the 429's message ends with: how many more refused requests in this
@@ -96,16 +132,6 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
     strike cannot be counted or the ban stored (the sentence is empty then).
     """
     config = current_app.config
-    # The key cache's row may predate a ban another worker stored, or a lift that forgave the
-    # key's strikes: the database says, before a strike (a refused request's query, paid by the
-    # caller that keeps calling, not by everyone).
-    try:
-        fresh = auth.reread_caller()
-        refuse_banned(fresh)
-        if fresh is not None:
-            caller = fresh
-    except DATABASE_UNAVAILABLE:
-        log.warning("cannot read key %s again before its strike", caller["id"])
     storage = limiter.limiter.storage
     strikes_at = caller_strike_key(config, caller)
     try:
@@ -114,26 +140,18 @@ def strike(limiter: PlanLimiter, caller: Mapping[str, Any], spent: RateLimitItem
             return warning(config, strikes)
         conn = db.get_conn()
         with conn.transaction():
-            ban = ban_sql.insert_ban(
-                conn,
-                key_id=caller["id"],
-                base_seconds=config["BAN_SECONDS"],
-                strikes=strikes,
-                escalation=config["BAN_ESCALATION"],
-                max_seconds=config["BAN_MAX_SECONDS"],
-                repeat_seconds=config["BAN_REPEAT_SECONDS"],
-            )
+            ban = ban_key(conn, config, caller.key_id, strikes)
         # This worker's next request of the key sees the ban, whoever stored it.
-        auth.forget_key(caller["id"])
+        auth.forget_key(caller.key_id)
         # A new ban starts a new count: after it ends, the key gets a full threshold again.
         storage.clear(strikes_at)
     except Exception:
-        log.exception("cannot count a strike against key %s", caller["id"])
+        log.exception("cannot count a strike against key %s", caller.key_id)
         return ""
     if ban is None:  # another worker banned it first
         return " This key is now banned for calling on after 429 responses."
     metrics.ban_created()
-    log.warning("banned key %s for %s s after %s strikes", caller["id"], ban["seconds"], strikes)
+    log.warning("banned key %s for %s s after %s strikes", caller.key_id, ban["seconds"], strikes)
     return (
         f" This key is now banned for {duration(ban['seconds'])} for calling on after 429 "
         "responses."

@@ -9,17 +9,20 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flask import Response, current_app, g, request
+from flask import Response, current_app, request
 from limits import RateLimitItem
 from limits.strategies import FixedWindowRateLimiter
 
 from petstore.errors import APIError
 from petstore.ratelimit import bans
 from petstore.ratelimit.limiter import PlanLimiter
-from petstore.ratelimit.plans import Limits, key_limits
+from petstore.ratelimit.plans import Limits, Shown
+
+if TYPE_CHECKING:
+    # Only for annotations: petstore.caller imports ratelimit.plans, whose package imports this.
+    from petstore.caller import Caller
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +32,6 @@ SCOPE = "global"
 OVERFLOW = "ip:overflow"
 # An IPv6 client is keyed by its /64: one subscriber's network, however many addresses it uses.
 IPV6_PREFIX = 64
-
-# What the headers show (g.rate_limit_headers): the limit nearest to running out, its remaining
-# requests, when its window ends (unix seconds), and all the caller's limits.
-Shown = tuple[RateLimitItem, int, int, Limits]
 
 
 def client_key(address: str | None) -> str:
@@ -52,16 +51,18 @@ def get_limiter() -> PlanLimiter:
     return limiter
 
 
-def count(caller: Mapping[str, Any] | None) -> None:
-    """Spend one request of the caller's budget (the key's, else the client address's).
+def count(caller: Caller | None) -> tuple[Shown | None, APIError | None]:
+    """Spend one request of the caller's budget (the key's, else the client address's); return
+    (what X-RateLimit-* show, the refusal if any).
 
     Every limit is counted, smallest window first, as flask-limiter does; the first one spent
-    answers 429 and counts a strike against the key. The numbers for X-RateLimit-* are kept in
-    g.rate_limit_headers: the limit nearest to running out.
+    answers 429 and counts a strike against the key, unless the database says the key is banned
+    meanwhile (429 api_key_banned then). Otherwise the headers show the limit nearest to running
+    out.
     """
     limiter = get_limiter()
     if not limiter.enabled:
-        return
+        return None, None
     who, limits = budget_of(caller)
     prefix = current_app.config["RATELIMIT_STRATEGY"]
     shown: Shown | None = None
@@ -69,10 +70,15 @@ def count(caller: Mapping[str, Any] | None) -> None:
         limits, limiter.count(limits, prefix, who, SCOPE), strict=False
     ):
         if not allowed:
-            g.rate_limit_headers = (limit, 0, math.ceil(reset), limits)
-            # No ban without warning: each 429 of a key says how many more ban it.
-            warning = "" if caller is None else bans.strike(limiter, caller, limit)
-            raise APIError(
+            warning = ""
+            if caller is not None:
+                caller = bans.reread(caller)
+                ban_shown, banned = bans.refuse_banned(caller)
+                if banned is not None:
+                    return ban_shown, banned
+                # No ban without warning: each 429 of a key says how many more ban it.
+                warning = bans.strike(limiter, caller, limit)
+            return (limit, 0, math.ceil(reset), limits), APIError(
                 429,
                 f"Rate limit exceeded: {limit.amount} per {limit.GRANULARITY.name}.{warning}",
                 "rate_limited",
@@ -80,25 +86,25 @@ def count(caller: Mapping[str, Any] | None) -> None:
             )
         if shown is None or remaining < shown[1]:
             shown = (limit, remaining, math.ceil(reset), limits)
-    g.rate_limit_headers = shown
+    return shown, None
 
 
-def show_unspent() -> None:
-    """X-RateLimit-* of a request that spends nothing: the client address's budget as it stands.
-
-    For answers that are not the client's doing (the database cannot say who is calling).
-    """
+def show_unspent() -> Shown | None:
+    """What X-RateLimit-* show for a request that spends nothing: the client address's budget as
+    it stands. For answers that are not the client's doing (the database cannot say who is
+    calling)."""
     limiter = get_limiter()
-    if limiter.enabled:
-        who, limits = budget_of(None)
-        prefix = current_app.config["RATELIMIT_STRATEGY"]
-        g.rate_limit_headers = headers_standing(limiter, prefix, who, limits)
+    if not limiter.enabled:
+        return None
+    who, limits = budget_of(None)
+    prefix = current_app.config["RATELIMIT_STRATEGY"]
+    return headers_standing(limiter, prefix, who, limits)
 
 
-def budget_of(caller: Mapping[str, Any] | None) -> tuple[str, Limits]:
+def budget_of(caller: Caller | None) -> tuple[str, Limits]:
     """(whose budget, its limits): the key's plan, else the client address's IP_LIMITS."""
     if caller is not None:
-        return f"key:{caller['id']}", key_limits(caller)
+        return f"key:{caller.key_id}", caller.limits
     extensions = current_app.extensions
     ip_limits: Limits = extensions["petstore.ip_limits"]
     clients: AnonymousClients | None = extensions["petstore.anonymous_clients"]
@@ -180,9 +186,10 @@ def window_name(limit: RateLimitItem) -> str:
     return name if limit.multiples == 1 else f"{limit.multiples}{name}"
 
 
-def rate_limit_standing(caller: Mapping[str, Any]) -> dict[str, Any]:
-    """A key's own standing, the body of GET /v1/rate_limit, counting nothing: its plan, each
-    limit's window, its ban and its strikes. X-RateLimit-* show the limit nearest to running out.
+def rate_limit_standing(caller: Caller) -> tuple[dict[str, Any], Shown]:
+    """(A key's own standing, what X-RateLimit-* show), counting nothing: the body of GET
+    /v1/rate_limit (its plan, each limit's window, its ban and its strikes), and the limit
+    nearest to running out.
 
     A storage that cannot be read is a 503: these numbers have no stand-in.
     """
@@ -200,7 +207,6 @@ def rate_limit_standing(caller: Mapping[str, Any]) -> dict[str, Any]:
             "The rate limit storage is unavailable; retry later.",
             headers={"Retry-After": str(config["RETRY_AFTER"])},
         ) from None
-    g.rate_limit_headers = nearest(stood, limits)
     named = {
         window_name(limit): {
             "limit": limit.amount,
@@ -210,13 +216,13 @@ def rate_limit_standing(caller: Mapping[str, Any]) -> dict[str, Any]:
         }
         for limit, remaining, reset in stood
     }
-    banned_until = caller["banned_until"]
+    banned_until = caller.banned_until
     return {
-        "plan": caller["plan"],
+        "plan": caller.plan,
         "limits": named,
         "ban": None if banned_until is None else {"until": math.ceil(banned_until.timestamp())},
         "strikes": {"count": strikes, "threshold": config["BAN_THRESHOLD"]},
-    }
+    }, nearest(stood, limits)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -228,13 +234,12 @@ def policy_field(limits: Limits) -> str:
     )
 
 
-def set_headers(response: Response) -> None:
-    """X-RateLimit-* on every /v1 response that was counted (or refused for a ban), and beside
-    them the draft standard's RateLimit-Policy and RateLimit: the same limit, its remaining
-    requests `r` and the seconds `t` until its window ends."""
-    numbers = g.get("rate_limit_headers")
-    if numbers is not None:
-        limit, remaining, reset, limits = numbers
+def set_headers(response: Response, shown: Shown | None) -> None:
+    """X-RateLimit-* showing `shown` (none for None), and beside them the draft standard's
+    RateLimit-Policy and RateLimit: the same limit, its remaining requests `r` and the seconds
+    `t` until its window ends."""
+    if shown is not None:
+        limit, remaining, reset, limits = shown
         headers = response.headers
         headers["X-RateLimit-Limit"] = str(limit.amount)
         headers["X-RateLimit-Remaining"] = str(remaining)

@@ -18,6 +18,9 @@ PLAN_LIMITS: dict[str, tuple[int, int]] = {
 PLANS = (*PLAN_LIMITS, "enterprise")
 
 Limits = tuple[RateLimitItem, ...]
+# What X-RateLimit-* show: the limit nearest to running out, its remaining requests, when its
+# window ends (unix seconds), and all the caller's limits.
+Shown = tuple[RateLimitItem, int, int, Limits]
 
 
 @functools.lru_cache(maxsize=1024)

@@ -11,8 +11,8 @@ from flask import Blueprint, Response, current_app
 from werkzeug.http import http_date
 
 from petstore import idempotency, schemas
-from petstore.auth import needs_scope
-from petstore.db import Connection, durable_write, get_conn, read
+from petstore.auth import current_caller, needs_scope
+from petstore.db import Connection, durable_write, get_conn, read_on_standby_if_any
 from petstore.errors import APIError
 from petstore.openapi import (
     JSON,
@@ -24,7 +24,7 @@ from petstore.openapi import (
     rate_limit_headers,
 )
 from petstore.queries import pets as pet_sql
-from petstore.web import API_PREFIX, json_body, json_response, validate, validate_query
+from petstore.web import API_PREFIX, body_as_json, json_response, validate, validate_query
 
 bp = Blueprint("pets", __name__)
 OPERATIONS = Operations()
@@ -61,9 +61,9 @@ def list_pets() -> Response:
     query = validate_query(schemas.list_pets_query)
     status = query.get("status")
     if status is None:
-        page = read(pet_sql.list_pets, after=query["after"], limit=query["limit"])
+        page = read_on_standby_if_any(pet_sql.list_pets, after=query["after"], limit=query["limit"])
     else:
-        page = read(
+        page = read_on_standby_if_any(
             pet_sql.list_pets_by_status, status=status, after=query["after"], limit=query["limit"]
         )
     headers = {}
@@ -155,7 +155,7 @@ def idempotency_key_parameter() -> dict[str, Any]:
 @needs_scope("write")
 def create_pet() -> Response:
     """createPet: store a NewPet, answer 201 with the Pet and its Location; Idempotency-Key aware."""
-    body = json_body()
+    body = body_as_json()
     new_pet = schemas.plain_new_pet(body) or validate(schemas.new_pet, body)
     key = idempotency.requested_key()
 
@@ -174,7 +174,7 @@ def create_pet() -> Response:
     with durable_write(conn):
         if key is None:
             return store(conn)
-        return idempotency.once(conn, key, new_pet, store)
+        return idempotency.once(conn, current_caller().key_id, key, new_pet, store)
 
 
 @OPERATIONS.describe("/pets/{petId}", "get")
@@ -240,7 +240,7 @@ def get_pet(pet_id: str) -> Response:
     # Not an int64: no such pet (404), the same answer as for an id that does not exist.
     if not PET_ID.fullmatch(pet_id) or int(pet_id) > schemas.INT64_MAX:
         raise APIError(404, "No pet with this id.", headers=headers)
-    pet = read(pet_sql.find_pet, int(pet_id))
+    pet = read_on_standby_if_any(pet_sql.find_pet, int(pet_id))
     if pet is None and current_app.config.get("READ_DATABASE_URL"):
         # Perhaps created a moment ago and not yet on the standby: the primary has the last word.
         pet = pet_sql.find_pet(get_conn(), int(pet_id))

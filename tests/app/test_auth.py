@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 from flask.testing import FlaskClient
 
-from petstore import auth, db
-from petstore.queries import keys
+from petstore import db, keys
+from petstore.queries import keys as key_sql
 from tests.conftest import count_pets
 from tests.support.checks import assert_error, pass_key_cache_bound
 
@@ -103,11 +103,11 @@ def test_scheme_is_case_insensitive(client: FlaskClient, api_key: str, scheme: s
 
 
 def test_revoked_key_is_401(client: FlaskClient, conn: db.Connection) -> None:
-    key, row = auth.issue_key(conn, "free", "to revoke")
+    key, row = keys.issue_key(conn, "free", "to revoke")
     headers = {"Authorization": f"Bearer {key}"}
     assert client.get("/v1/pets", headers=headers).status_code == 200
 
-    assert keys.revoke_key(conn, row["id"]) is True
+    assert key_sql.revoke_key(conn, row["id"]) is True
     pass_key_cache_bound(client.application)
     response = client.get("/v1/pets", headers=headers)
 
@@ -117,9 +117,9 @@ def test_revoked_key_is_401(client: FlaskClient, conn: db.Connection) -> None:
 def test_revoking_one_key_leaves_the_others(
     client: FlaskClient, conn: db.Connection, api_key: str
 ) -> None:
-    _key, row = auth.issue_key(conn, "free", "to revoke")
+    _key, row = keys.issue_key(conn, "free", "to revoke")
 
-    keys.revoke_key(conn, row["id"])
+    key_sql.revoke_key(conn, row["id"])
 
     assert client.get("/v1/pets", headers={"Authorization": f"Bearer {api_key}"}).status_code == 200
 
@@ -166,7 +166,7 @@ def test_healthz_ignores_a_bad_key(client: FlaskClient) -> None:
 
 
 def test_key_is_stored_only_as_a_sha256_hash_with_a_short_prefix(conn: db.Connection) -> None:
-    key, row = auth.issue_key(conn, "pro", "stored")
+    key, row = keys.issue_key(conn, "pro", "stored")
 
     stored = conn.execute("select * from api_keys where id = %s", [row["id"]]).fetchone()
     assert stored is not None
@@ -190,12 +190,12 @@ def test_keys_are_random_and_at_least_256_bits(
 
     assert len(set(issued)) == len(issued)
     for key in issued:
-        assert key.startswith(auth.KEY_PREFIX)
-        secret = key[len(auth.KEY_PREFIX) :]
+        assert key.startswith(keys.KEY_PREFIX)
+        secret = key[len(keys.KEY_PREFIX) :]
         assert set(secret) <= BASE64URL
         # Each base64url character carries 6 bits.
         assert len(secret) * 6 >= 256
     # Random keys use the whole alphabet; a counter or a hex string would not.
-    assert set("".join(key[len(auth.KEY_PREFIX) :] for key in issued)) == BASE64URL
+    assert set("".join(key[len(keys.KEY_PREFIX) :] for key in issued)) == BASE64URL
     prefixes = conn.execute("select count(distinct prefix) as n from api_keys").fetchone()
     assert prefixes == {"n": len(issued)}

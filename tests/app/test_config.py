@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from petstore import config
+from petstore import config, create_app
 
 # (setting, bad value, words of the accepted values that the line must name)
 BAD = [
@@ -190,3 +190,20 @@ def test_a_printed_database_url_has_no_password(url: str, shown: str) -> None:
     """make run's `database:` line: the password masked, as psycopg's ConnectionInfo.dsn leaves
     it out; everything else as given."""
     assert config.without_password(url) == shown
+
+
+def test_create_app_given_settings_reads_no_environment(
+    monkeypatch: pytest.MonkeyPatch, database_url: str
+) -> None:
+    """wsgi parses the environment once and passes its settings on: create_app takes them as
+    they are (a bad value in the environment by then is not read again), overrides on top."""
+    settings = config.from_environ({"DATABASE_URL": database_url, "PETSTORE_BAN_SECONDS": "60"})
+    monkeypatch.setenv("PETSTORE_BAN_SECONDS", "ten")
+    with pytest.raises(config.ConfigError, match="PETSTORE_BAN_SECONDS='ten'"):
+        create_app({"DATABASE_URL": database_url})
+    app = create_app({"BAN_THRESHOLD": 3}, settings=settings)
+    try:
+        assert app.config["BAN_SECONDS"] == 60
+        assert app.config["BAN_THRESHOLD"] == 3
+    finally:
+        app.extensions["petstore.pool"].close()

@@ -12,7 +12,7 @@ import pytest
 from flask import Flask
 from psycopg import conninfo, sql
 
-from petstore import auth, config, create_app, db, hostorder, migrations
+from petstore import config, create_app, db, hostorder, keys, migrations
 from tests.conftest import count_pets
 from tests.support.checks import assert_error
 from tests.support.databases import empty_database
@@ -176,7 +176,7 @@ def test_no_primary_is_a_fast_503_that_spends_no_budget(read_only_database: str)
     """target_session_attrs=read-write finds no writable server: 503 with Retry-After within the
     pool's wait, the address's budget untouched; writes again once a primary is back."""
     with db.connect(config.from_environ({"DATABASE_URL": read_only_database})) as admin:
-        key, _row = auth.issue_key(admin, "enterprise", "failover", 5, 1000)
+        key, _row = keys.issue_key(admin, "enterprise", "failover", 5, 1000)
     set_read_only(read_only_database, True)
     url = read_write(read_only_database, server_of(read_only_database))
     app = create_app(

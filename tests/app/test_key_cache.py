@@ -13,7 +13,8 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from petstore import auth, db
+from petstore import db, keys
+from petstore.caller import caller_at
 from petstore.keycache import KeyCache
 from petstore.queries import bans as ban_sql
 from petstore.queries import keys as key_sql
@@ -47,7 +48,7 @@ def lookups(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
 
 def issue(conn: db.Connection, **options: Any) -> tuple[str, int]:
     """A new free key: (secret, id)."""
-    key, row = auth.issue_key(conn, "free", "cache", **options)
+    key, row = keys.issue_key(conn, "free", "cache", **options)
     return key, row["id"]
 
 
@@ -62,7 +63,7 @@ def test_a_held_key_costs_no_query_until_the_bound_passes(
     key, _key_id = issue(conn)
     for _ in range(3):
         assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
-    assert lookups == [auth.hash_key(key)]
+    assert lookups == [keys.hash_key(key)]
 
     pass_key_cache_bound(client.application)
     assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
@@ -98,7 +99,7 @@ def ban(conn: db.Connection, key_id: int) -> None:
 
 def rotate(conn: db.Connection, key_id: int) -> None:
     """A new secret, the one the instances use staying valid for an hour."""
-    assert auth.rotate_key(conn, key_id, 3600) is not None
+    assert keys.rotate_key(conn, key_id, 3600) is not None
 
 
 def end_grace(conn: db.Connection, key_id: int) -> None:
@@ -189,7 +190,7 @@ def test_the_end_of_an_old_secrets_grace_is_exact_whatever_the_bound(
 ) -> None:
     client = make_app(KEY_CACHE_SECONDS=3600).test_client()
     old, key_id = issue(conn)
-    rotated = auth.rotate_key(conn, key_id, 1)
+    rotated = keys.rotate_key(conn, key_id, 1)
     assert rotated is not None
     new, row = rotated
     assert client.get("/v1/pets", headers=bearer(old)).status_code == 200
@@ -221,7 +222,7 @@ def test_a_ban_this_worker_stores_is_seen_at_once(
     make_app: Callable[..., Flask], conn: db.Connection
 ) -> None:
     client = make_app(KEY_CACHE_SECONDS=3600, BAN_THRESHOLD=1).test_client()
-    key, _row = auth.issue_key(conn, "enterprise", "cache", per_minute=1, per_day=100)
+    key, _row = keys.issue_key(conn, "enterprise", "cache", per_minute=1, per_day=100)
     assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
     body = assert_error(client.get("/v1/pets", headers=bearer(key)), 429, "rate_limited")
     assert "now banned" in body["message"]
@@ -235,12 +236,12 @@ def test_unknown_keys_are_never_held_nor_displace_known_ones(
     key, _key_id = issue(conn)
     assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
     for _ in range(50):
-        unknown = auth.new_key()
+        unknown = keys.new_key()
         assert client.get("/v1/pets", headers=bearer(unknown)).status_code == 401
         assert client.get("/v1/pets", headers=bearer(unknown)).status_code == 401
     assert len(lookups) == 1 + 100, "an unknown key is asked about every time"
     cache = client.application.extensions["petstore.key_cache"]
-    assert list(cache.entries) == [auth.hash_key(key)]
+    assert list(cache.entries) == [keys.hash_key(key)]
     assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
     assert len(lookups) == 101
 
@@ -253,12 +254,12 @@ def test_the_cache_holds_at_most_its_size_the_least_recently_read_going_first(
     for key in (first, second, third):
         assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
     cache = client.application.extensions["petstore.key_cache"]
-    assert list(cache.entries) == [auth.hash_key(second), auth.hash_key(third)]
+    assert list(cache.entries) == [keys.hash_key(second), keys.hash_key(third)]
     assert client.get("/v1/pets", headers=bearer(third)).status_code == 200
     assert len(lookups) == 3
     assert client.get("/v1/pets", headers=bearer(first)).status_code == 200
     assert len(lookups) == 4
-    assert list(cache.entries) == [auth.hash_key(third), auth.hash_key(first)]
+    assert list(cache.entries) == [keys.hash_key(third), keys.hash_key(first)]
 
 
 ROW = {
@@ -270,6 +271,7 @@ ROW = {
     "expires_at": None,
     "grace_until": None,
     "banned_until": None,
+    "strikes_forgiven_at": None,
 }
 
 
@@ -282,7 +284,7 @@ def test_a_row_fetched_while_the_key_is_forgotten_is_not_held() -> None:
         cache.forget(1)
         return dict(ROW)
 
-    assert cache.caller(b"h" * 32, find_during_a_ban) == {**ROW, "expired": False}
+    assert cache.caller(b"h" * 32, find_during_a_ban) == caller_at(ROW, b"h" * 32, time.time())
     assert cache.entries == {}
     assert cache.caller(b"h" * 32, lambda key_hash: dict(ROW)) is not None
     assert list(cache.entries) == [b"h" * 32]
@@ -319,7 +321,7 @@ def stopped(make_app: Callable[..., Flask]) -> Iterator[Flask]:
 
 
 def test_a_key_not_held_while_the_database_is_down_is_503(stopped: Flask) -> None:
-    response = stopped.test_client().get("/v1/pets", headers=bearer(auth.new_key()))
+    response = stopped.test_client().get("/v1/pets", headers=bearer(keys.new_key()))
     assert_error(response, 503, "service_unavailable")
     assert stopped.extensions["petstore.key_cache"].entries == {}
 
@@ -331,7 +333,7 @@ def test_a_refused_key_is_read_again_so_another_instances_ban_is_refused_at_once
     the key is over its limit, A reads it again before striking, and answers the ban."""
     settings = {"KEY_CACHE_SECONDS": 3600, "BAN_THRESHOLD": 1, "RATELIMIT_STORAGE_URI": redis_url}
     first, second = make_app(**settings).test_client(), make_app(**settings).test_client()
-    key, _row = auth.issue_key(conn, "enterprise", "cache", per_minute=1, per_day=100)
+    key, _row = keys.issue_key(conn, "enterprise", "cache", per_minute=1, per_day=100)
     assert first.get("/v1/pets", headers=bearer(key)).status_code == 200
     body = assert_error(second.get("/v1/pets", headers=bearer(key)), 429, "rate_limited")
     assert "now banned" in body["message"]

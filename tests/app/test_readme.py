@@ -99,6 +99,16 @@ def test_the_docs_document_every_setting() -> None:
     assert not missing
 
 
+def test_the_configuration_page_has_a_row_for_each_of_gunicorns_settings() -> None:
+    """Each variable deploy/gunicorn.conf.py reads is a row of docs/configuration.rst's tables."""
+    conf = (ROOT / "deploy" / "gunicorn.conf.py").read_text(encoding="utf-8")
+    read = set(re.findall(r'_(?:env|count)\("([A-Z_]+)"', conf))
+    assert {"WEB_CONCURRENCY", "PETSTORE_THREADS", "GUNICORN_TIMEOUT"} <= read
+    page = (ROOT / "docs" / "configuration.rst").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^``([A-Z_]+)``  ", page, re.M))
+    assert not read - rows
+
+
 def test_readme_shows_the_two_commands_first() -> None:
     text = README.read_text(encoding="utf-8")
     first_section = text.index("\n---")

@@ -10,7 +10,7 @@ import psycopg
 from psycopg import conninfo, sql
 
 from petstore import config
-from petstore.queries import bans as ban_sql
+from petstore.ratelimit import bans
 
 
 @contextmanager
@@ -33,12 +33,4 @@ def store_ban(conn: psycopg.Connection[Any], key_id: int, seconds: int) -> dict[
     """A ban of `seconds` for key `key_id`, stored as the service stores one, with the default
     escalation settings (petstore.config); None when the key is banned already."""
     defaults = config.from_environ({"DATABASE_URL": "postgresql://"})
-    return ban_sql.insert_ban(
-        conn,
-        key_id=key_id,
-        base_seconds=seconds,
-        strikes=10,
-        escalation=defaults["BAN_ESCALATION"],
-        max_seconds=defaults["BAN_MAX_SECONDS"],
-        repeat_seconds=defaults["BAN_REPEAT_SECONDS"],
-    )
+    return bans.ban_key(conn, {**defaults, "BAN_SECONDS": seconds}, key_id, strikes=10)

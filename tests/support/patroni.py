@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from psycopg import conninfo
 
-from petstore import auth, config, db, devserver, migrations
+from petstore import config, db, devserver, keys, migrations
 from tests.support.programs import program
 from tests.support.servers import (
     LOOPBACK,
@@ -298,7 +298,7 @@ class Cluster:
         devserver.ensure_database(self.url("postgres"), "petstore")
         with self.connect() as conn:
             migrations.upgrade(conn)
-            self.key, _row = auth.issue_key(conn, "enterprise", "patroni", 10**7, 10**8)
+            self.key, _row = keys.issue_key(conn, "enterprise", "patroni", 10**7, 10**8)
 
     def stop(self) -> None:
         run_every([*(node.stop for node in self.nodes), self.etcd.stop, self.redis.stop])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis.cluster
 
-from petstore import auth, config, db, migrations
+from petstore import config, db, keys, migrations
 from petstore.ratelimit import storages
 from tests.support.checks import call
 from tests.support.databases import empty_database
@@ -106,7 +106,7 @@ def test_limits_are_exact_across_workers_and_bans_hold(
 ) -> None:
     """100 concurrent requests of a free key through 2 workers × 4 threads: exactly 60 × 200, then a ban."""
     with db.connect(config.from_environ({"DATABASE_URL": scratch_url})) as conn:
-        key, row = auth.issue_key(conn, "free", "cluster", None, None)
+        key, row = keys.issue_key(conn, "free", "cluster", None, None)
     environ = {
         "DATABASE_URL": scratch_url,
         "RATELIMIT_STORAGE_URI": storage_uri(cluster),

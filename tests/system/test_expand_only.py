@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from petstore import auth, config, db, migrations
+from petstore import config, db, keys, migrations
 from tests.support.checks import call
 from tests.support.databases import empty_database
 from tests.support.servers import ROOT, Gunicorn
@@ -85,7 +85,7 @@ def test_the_code_before_the_newest_migration_serves_the_migrated_database(
         settings = config.from_environ({"DATABASE_URL": url})
         with db.connect(settings) as conn:
             migrations.upgrade(conn)  # today's code migrates
-            key, _row = auth.issue_key(conn, "enterprise", "expand-only", 100_000, 1_000_000)
+            key, _row = keys.issue_key(conn, "enterprise", "expand-only", 100_000, 1_000_000)
         environ = {"DATABASE_URL": url, "RATELIMIT_STORAGE_URI": "memory://"}
         with PreviousGunicorn(worktree, environ, tmp_path / "gunicorn.log", workers=1) as server:
             headers = {"Authorization": f"Bearer {key}"}

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from petstore import auth, config, db, devserver, migrations
+from petstore import config, db, devserver, keys, migrations
 from tests.support import reports
 from tests.support.checks import Answer, call
 from tests.support.nginx import DeployedGunicorn, Nginx
@@ -153,7 +153,7 @@ class Stack:
         self.database_url = self.cluster.url(APP_DBNAME)
         with self.connect() as conn:
             migrations.upgrade(conn)
-            self.key, _row = auth.issue_key(conn, "enterprise", "faults", 10_000_000, 100_000_000)
+            self.key, _row = keys.issue_key(conn, "enterprise", "faults", 10_000_000, 100_000_000)
         self.redis.start()
         self.start_web(
             {"DATABASE_URL": self.database_url, "RATELIMIT_STORAGE_URI": self.redis.url()}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from petstore import auth, config, db, migrations
+from petstore import config, db, keys, migrations
 from tests.support.checks import call
 from tests.support.databases import empty_database
 from tests.support.hosts import HostGunicorn, Hosts, SharedRedis
@@ -49,7 +49,7 @@ class Site:
 
     def issue(self, plan: str, per_minute: int | None = None) -> tuple[str, int]:
         with self.connect() as conn:
-            key, row = auth.issue_key(
+            key, row = keys.issue_key(
                 conn, plan, "hosts", per_minute, 100_000_000 if per_minute else None
             )
         return key, int(row["id"])

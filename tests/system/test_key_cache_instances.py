@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from petstore import auth, db
+from petstore import db, keys
 from petstore.queries import bans as ban_sql
 from petstore.queries import keys as key_sql
 from tests.support.checks import Answer, burst, http_getter
@@ -69,7 +69,7 @@ def code(answer: Answer) -> str | None:
 def test_ban_lift_and_revocation_reach_every_worker_of_two_instances(
     instances: list[Gunicorn], conn: db.Connection
 ) -> None:
-    key, row = auth.issue_key(conn, "enterprise", "two instances", 100_000, 1_000_000)
+    key, row = keys.issue_key(conn, "enterprise", "two instances", 100_000, 1_000_000)
     getters = [http_getter(server.url, key, HTTP_TIMEOUT) for server in instances]
     # Every worker holds the key's row.
     assert all(answer.status == 200 for answer in everywhere(getters))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from flask import Flask
 
-from petstore import auth, config, create_app, db, migrations
+from petstore import config, create_app, db, keys, migrations
 from tests.support.checks import assert_error
 from tests.support.hosts import HostPostgres, Hosts, cut
 
@@ -59,7 +59,7 @@ def test_a_request_on_a_silent_database_answers_503_within_the_bound(
     app_settings = settings(postgres.url())
     with db.connect(config.from_environ({"DATABASE_URL": postgres.url()})) as conn:
         migrations.upgrade(conn)
-        key, _row = auth.issue_key(conn, "pro", "network cut")
+        key, _row = keys.issue_key(conn, "pro", "network cut")
     app: Flask = create_app(app_settings)
     try:
         client = app.test_client()

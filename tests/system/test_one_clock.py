@@ -13,7 +13,7 @@ from pathlib import Path
 
 import requests
 
-from petstore import auth, db
+from petstore import db, keys
 from tests.support.checks import http_getter, rate_limit_numbers
 from tests.support.programs import faketime_library
 from tests.support.servers import Gunicorn
@@ -31,7 +31,7 @@ def test_every_host_names_the_same_reset(
 ) -> None:
     """Two hosts, one 25 s ahead: the same X-RateLimit-Reset from both; the skewed one's Date ahead."""
     library = faketime_library()
-    key, _row = auth.issue_key(conn, "enterprise", "one-clock", PER_MINUTE, 100_000)
+    key, _row = keys.issue_key(conn, "enterprise", "one-clock", PER_MINUTE, 100_000)
     environ = {
         "DATABASE_URL": database_url,
         "RATELIMIT_STORAGE_URI": redis_url,

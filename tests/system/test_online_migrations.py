@@ -19,7 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from petstore import auth, config, db, migrations
+from petstore import config, db, keys, migrations
 from tests.support.checks import Answer
 from tests.support.databases import empty_database
 from tests.support.load import MixedLoad
@@ -59,7 +59,7 @@ def million_pets(database_url: str) -> Iterator[str]:
 @pytest.fixture
 def key(million_pets: str) -> str:
     with db.connect(config.from_environ({"DATABASE_URL": million_pets})) as conn:
-        secret, _row = auth.issue_key(conn, "enterprise", "online", 1_000_000, 10_000_000)
+        secret, _row = keys.issue_key(conn, "enterprise", "online", 1_000_000, 10_000_000)
     return secret
 
 

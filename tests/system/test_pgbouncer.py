@@ -24,7 +24,7 @@ import redis
 from psycopg import conninfo, sql
 from psycopg.rows import dict_row
 
-from petstore import auth, config, db
+from petstore import config, db, keys
 from tests.conftest import TEST_REDIS_URL
 from tests.support.checks import call
 from tests.support.databases import empty_database
@@ -106,7 +106,7 @@ def bearer(key: str, **headers: str) -> dict[str, str]:
 def issue(pooled: Pooled, plan: str = "enterprise", per_minute: int = 10_000_000) -> str:
     """A new key, made on the direct connection."""
     with pooled.direct() as conn:
-        key, _row = auth.issue_key(conn, plan, "pgbouncer", per_minute, 100_000_000)
+        key, _row = keys.issue_key(conn, plan, "pgbouncer", per_minute, 100_000_000)
     return key
 
 

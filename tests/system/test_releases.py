@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from petstore import auth, config, db, migrations
+from petstore import config, db, keys, migrations
 from tests.support.checks import Answer, call
 from tests.support.databases import empty_database
 from tests.support.load import MixedLoad
@@ -114,7 +114,7 @@ def test_usr2_replaces_the_running_version_without_a_refused_request(
     with empty_database(database_url, "_release") as database:
         with db.connect(config.from_environ({"DATABASE_URL": database})) as conn:
             migrations.upgrade(conn)
-            key, _row = auth.issue_key(conn, "enterprise", "release", 1_000_000, 10_000_000)
+            key, _row = keys.issue_key(conn, "enterprise", "release", 1_000_000, 10_000_000)
         environ = {
             **{k: v for k, v in os.environ.items() if not k.startswith("PETSTORE_")},
             "DATABASE_URL": database,
@@ -247,7 +247,7 @@ def test_hosts_behind_nginx_are_replaced_one_at_a_time_without_a_refused_request
     with empty_database(database_url, "_rolling") as database:
         with db.connect(config.from_environ({"DATABASE_URL": database})) as conn:
             migrations.upgrade(conn)
-            key, _row = auth.issue_key(conn, "enterprise", "rolling", 1_000_000, 10_000_000)
+            key, _row = keys.issue_key(conn, "enterprise", "rolling", 1_000_000, 10_000_000)
         environ = {"DATABASE_URL": database, "RATELIMIT_STORAGE_URI": "memory://"}
         with ExitStack() as stack:
             hosts = [

@@ -14,7 +14,7 @@ import pytest
 import requests
 from flask import Flask
 
-from petstore import auth, config, create_app, db, devserver, migrations
+from petstore import config, create_app, db, devserver, keys, migrations
 from tests.support.checks import Answer, assert_error, burst, flask_getter, http_getter
 from tests.support.servers import Gunicorn, ThrowawayPostgres
 
@@ -82,7 +82,7 @@ def cluster(throwaway_cluster: ThrowawayPostgres) -> ThrowawayPostgres:
 def cluster_key(cluster: ThrowawayPostgres) -> str:
     """A key with budget to spare in the throwaway database, issued on a direct connection."""
     with db.connect(config.from_environ({"DATABASE_URL": cluster.url(APP_DBNAME)})) as conn:
-        key, _row = auth.issue_key(conn, "enterprise", "resilience", 100_000, 1_000_000)
+        key, _row = keys.issue_key(conn, "enterprise", "resilience", 100_000, 1_000_000)
     return key
 
 
@@ -269,13 +269,13 @@ def test_held_and_unheld_keys_get_prompt_503s_while_the_database_is_down(
     held = flask_getter(app, cluster_key, HTTP_TIMEOUT)
     assert_ok(held())
     with db.connect(config.from_environ({"DATABASE_URL": cluster.url(APP_DBNAME)})) as conn:
-        other, _row = auth.issue_key(conn, "enterprise", "not held", 100_000, 1_000_000)
+        other, _row = keys.issue_key(conn, "enterprise", "not held", 100_000, 1_000_000)
     unheld = flask_getter(app, other, HTTP_TIMEOUT)
 
     cluster.stop()
     expect_unavailable(unheld, 3)
     expect_unavailable(held, 3)
-    assert app.extensions["petstore.key_cache"].entries.keys() == {auth.hash_key(cluster_key)}
+    assert app.extensions["petstore.key_cache"].entries.keys() == {keys.hash_key(cluster_key)}
     cluster.start()
     poll_until_ok(unheld)
     assert_ok(held())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from petstore import auth, config, db, migrations
+from petstore import config, db, keys, migrations
 from petstore.ratelimit import storages
 from tests.support.checks import Answer, call
 from tests.support.databases import empty_database
@@ -59,7 +59,7 @@ class Topology:
 
     def issue(self, per_minute: int = 10_000_000) -> tuple[str, int]:
         with self.connect() as conn:
-            key, row = auth.issue_key(conn, "enterprise", "sentinel", per_minute, 100_000_000)
+            key, row = keys.issue_key(conn, "enterprise", "sentinel", per_minute, 100_000_000)
         return key, int(row["id"])
 
 

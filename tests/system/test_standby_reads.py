@@ -17,7 +17,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 from psycopg.rows import dict_row
 
-from petstore import auth, config, create_app, db, migrations
+from petstore import config, create_app, db, keys, migrations
 from tests.support.servers import poll_until
 from tests.support.standby import PostgresServer, make_primary, make_standby
 
@@ -82,7 +82,7 @@ def wait_for(condition: Callable[[], bool], within: float, what: str) -> None:
 def new_key(pair: Pair) -> dict[str, str]:
     """The headers of a new key, stored on the primary."""
     with db.connect(config.from_environ({"DATABASE_URL": pair.primary.url("petstore")})) as conn:
-        key, _row = auth.issue_key(conn, "enterprise", "standby", 10_000_000, 100_000_000)
+        key, _row = keys.issue_key(conn, "enterprise", "standby", 10_000_000, 100_000_000)
     return {"Authorization": f"Bearer {key}"}
 
 

@@ -22,7 +22,7 @@ from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.errors import Diagnostic
 
-from petstore import auth, config, create_app, db, devserver, migrations
+from petstore import config, create_app, db, devserver, keys, migrations
 from tests.support.checks import assert_error
 from tests.support.servers import ThrowawayPostgres, poll_until
 
@@ -73,7 +73,7 @@ def key(server: ThrowawayPostgres) -> str:
     """A key issued while commits need no standby."""
     wait_for_standby_named(server, "")
     with db.connect(config.from_environ({"DATABASE_URL": server.url(APP_DBNAME)})) as conn:
-        secret, _row = auth.issue_key(conn, "enterprise", "sync", 10**6, 10**7)
+        secret, _row = keys.issue_key(conn, "enterprise", "sync", 10**6, 10**7)
     return secret
 
 
