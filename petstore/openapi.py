@@ -251,13 +251,14 @@ class Resource(Blueprint):
         *,
         tag: str,
         tag_description: str,
-        schemas: Mapping[str, type[Schema]] | None = None,
+        schemas: Mapping[str, type[Schema] | dict[str, Any]] | None = None,
         headers: Callable[[Mapping[str, Any]], Mapping[str, dict[str, Any]]] | None = None,
     ) -> None:
         super().__init__(name, import_name)
         self.tag = {"name": tag, "description": tag_description}
-        # Schema components by name, and header components by id from the settings.
-        self.schemas: Mapping[str, type[Schema]] = schemas or {}
+        # Schema components by name (a marshmallow schema, or a Schema Object as it is), and
+        # header components by id from the settings.
+        self.schemas: Mapping[str, type[Schema] | dict[str, Any]] = schemas or {}
         self.headers = headers
         self.operations: list[Operation] = []
 
@@ -284,7 +285,10 @@ class Resource(Blueprint):
     def add_components(self, spec: APISpec, config: Mapping[str, Any]) -> None:
         """This resource's schema and header components."""
         for name, schema in self.schemas.items():
-            spec.components.schema(name, schema=schema)
+            if isinstance(schema, dict):
+                spec.components.schema(name, component=schema)
+            else:
+                spec.components.schema(name, schema=schema)
         if self.headers is not None:
             for component_id, header in self.headers(config).items():
                 spec.components.header(component_id, header)

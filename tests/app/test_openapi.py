@@ -416,7 +416,7 @@ def test_a_resource_routes_and_describes_each_operation_with_its_tag_and_compone
         __name__,
         tag="things",
         tag_description="Things of a test.",
-        schemas={"Thing": schemas.PetSchema},
+        schemas={"Thing": schemas.PetSchema, "Count": {"type": "integer"}},
         headers=lambda config: {"ThingCount": {"schema": {"type": "integer"}}},
     )
 
@@ -443,5 +443,6 @@ def test_a_resource_routes_and_describes_each_operation_with_its_tag_and_compone
             }
         }
     }
-    assert set(document["components"]["schemas"]) == {"Error", "Thing"}
+    assert set(document["components"]["schemas"]) == {"Error", "Thing", "Count"}
+    assert document["components"]["schemas"]["Count"] == {"type": "integer"}
     assert "ThingCount" in document["components"]["headers"]
