@@ -241,10 +241,14 @@ def start_servers(
     database_url: str,
     redis_url: str,
     name: str,
+    commands: dict[str, str] | None = None,
 ) -> dict[Server, Running]:
-    """Start each server on a free port (and its nginx), stopped when `stack` closes."""
+    """Start each server on a free port (and its nginx), stopped when `stack` closes; note in
+    `commands` how each is started, by its label, for the report."""
     started: dict[Server, Running] = {}
     for server in servers:
+        if commands is not None:
+            commands.setdefault(server.label, shown_command(server))
         env = server_env(server, database_url, redis_url)
         log_name = f"{name}-{server.label}".replace(" ", "-").replace("://", "").replace("×", "x")
         gunicorn = BenchGunicorn(
