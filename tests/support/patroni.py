@@ -19,15 +19,8 @@ from psycopg import conninfo
 
 from petstore import auth, config, db, devserver, migrations
 from tests.support.programs import program
-from tests.support.servers import (
-    LOOPBACK,
-    ROOT,
-    RedisServer,
-    ServerProcess,
-    free_port,
-    poll_until,
-    run_every,
-)
+from tests.support.redis_servers import RedisServer
+from tests.support.servers import LOOPBACK, ROOT, ServerProcess, free_port, poll_until, run_every
 
 PATRONI_YML = ROOT / "deploy" / "patroni.yml"
 PG_BIN = Path("/usr/lib/postgresql/15/bin")

@@ -27,16 +27,8 @@ from petstore import auth, config, db, devserver, migrations
 from tests.support import reports
 from tests.support.checks import Answer, call
 from tests.support.nginx import DeployedGunicorn, Nginx
-from tests.support.servers import (
-    PgBouncer,
-    RedisReplica,
-    RedisSentinel,
-    RedisServer,
-    Service,
-    ThrowawayPostgres,
-    poll_until,
-    run_every,
-)
+from tests.support.redis_servers import RedisReplica, RedisSentinel, RedisServer
+from tests.support.servers import PgBouncer, Service, ThrowawayPostgres, poll_until, run_every
 
 APP_DBNAME = "petstore"
 # The app's bounds, small so that a fault is noticed within about a second; all ordinary settings.
