@@ -228,6 +228,8 @@ class Gunicorn(ServerProcess):
         self.url = f"http://{LOOPBACK}:{self.port}"
         # Where this test reaches it (another address for an app on a host of its own).
         self.health_host = LOOPBACK
+        # The checkout it runs from: gunicorn imports the app (and reads a config) from there.
+        self.tree = ROOT
 
     def command(self) -> list[str]:
         """The command line: the interpreter of the running venv, gthread workers, loopback only."""
@@ -256,7 +258,7 @@ class Gunicorn(ServerProcess):
     def start(self) -> None:
         """Start gunicorn and wait (bounded) until /healthz answers; raise with its log otherwise."""
         environ = {**os.environ, **self.environ, "PYTHONUNBUFFERED": "1"}
-        self.launch(self.command(), cwd=ROOT, env=environ)
+        self.launch(self.command(), cwd=self.tree, env=environ)
 
     def answers(self) -> bool:
         """Whether GET /healthz answers 200 right now."""
