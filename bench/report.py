@@ -1,31 +1,26 @@
-"""The report of `make bench`: what a run gathered, its Markdown tables and its PNG plots."""
+"""The report of `make bench`: what a run gathered, and its Markdown sections and tables.
+
+Its numbers are bench/numbers.py's, its plots bench/plots.py's, what it says of the machine
+bench/machine.py's.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.database import Conn, redacted
-from bench.measure import ROOT, Measure, combined
+from bench.measure import Measure, combined
+from bench.numbers import cpu_ratio, fmt, ratio, target_of
 from bench.servers import (
-    FLASK_FLOOR,
     GUNICORN_CONFIG,
     NGINX_CONFIG,
     NGINX_WORKERS,
-    RAW_FLOOR,
-    SERVICE,
     Server,
 )
-
-# The targets of the service against the bare-Flask floor (issue 9): reads, and writes or mixed.
-READ_TARGET, WRITE_TARGET = 0.85, 0.8
 
 
 @dataclass
@@ -50,79 +45,17 @@ class Run:
     size_pair: tuple[Server, ...] = ()  # the service on the small and on the large table
 
 
-# --- numbers -----------------------------------------------------------------------------------
-
-
-def fmt(value: float | None, digits: int = 0) -> str:
-    """A number for a table cell; n/a for None."""
-    return "n/a" if value is None else f"{value:,.{digits}f}"
-
-
-@dataclass(frozen=True)
-class Ratio:
-    """A ratio of requests/s over rounds: min, median, max, and the medians of each half."""
-
-    values: list[float]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values)
-
-    def halves(self) -> tuple[float, float] | None:
-        """Medians of the first and the second half of the rounds (None with fewer than 2)."""
-        half = len(self.values) // 2
-        if not half:
-            return None
-        return statistics.median(self.values[:half]), statistics.median(self.values[half:])
-
-    def moved(self) -> float | None:
-        """How far the two halves' medians are apart, as a share of the median."""
-        halves = self.halves()
-        return abs(halves[0] - halves[1]) / self.median if halves and self.median else None
-
-    def cell(self) -> str:
-        """'**median** (min–max)'."""
-        return f"**{self.median:.2f}** ({min(self.values):.2f}–{max(self.values):.2f})"
-
-    def halves_cell(self) -> str:
-        """'h1 / h2 (moved %)'."""
-        halves, moved = self.halves(), self.moved()
-        if halves is None or moved is None:
-            return "n/a"
-        return f"{halves[0]:.2f} / {halves[1]:.2f} ({moved:.0%})"
-
-
-def ratio(ours: list[Measure], base: list[Measure]) -> Ratio | None:
-    """Round by round, ours' requests/s over base's (rounds ran side by side)."""
-    values = [a.rps / b.rps for a, b in zip(ours, base, strict=False) if b.rps]
-    return Ratio(values) if values else None
-
-
-def cpu_ratio(ours: list[Measure], base: list[Measure]) -> Ratio | None:
-    """Round by round, base's app CPU per request over ours': what the ratio of requests/s
-    would be if both were bound by their own CPU alone (steadier under background load)."""
-    values = [
-        b.app_us / a.app_us
-        for a, b in zip(ours, base, strict=False)
-        if a.app_us and b.app_us is not None
-    ]
-    return Ratio(values) if values else None
-
-
-def target_of(scenario: str) -> float:
-    """The target ratio against the bare-Flask floor: 0.8 for writes and mixed, else 0.85."""
-    return WRITE_TARGET if scenario.startswith(("POST", "mixed")) else READ_TARGET
-
-
 # --- tables ------------------------------------------------------------------------------------
 
 
-def group_rows(run: Run, servers: tuple[Server, ...]) -> Iterator[tuple[int, str]]:
-    """(pets, scenario) of every row the group measured, in order."""
+def group_rows(
+    run: Run, servers: tuple[Server, ...]
+) -> Iterator[tuple[int, str, list[list[Measure]]]]:
+    """(pets, scenario, each server's measures) of every row the first server measured, in order."""
     for size in run.sizes:
         for name in run.scenario_names:
             if (size, servers[0].label, name) in run.rounds:
-                yield size, name
+                yield size, name, [run.rounds.get((size, s.label, name), []) for s in servers]
 
 
 def comparison(run: Run, servers: tuple[Server, ...]) -> list[str]:
@@ -134,8 +67,7 @@ def comparison(run: Run, servers: tuple[Server, ...]) -> list[str]:
         "| service ÷ raw floor | Flask floor ÷ raw floor | p99 ms service / Flask / raw |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for size, name in group_rows(run, servers):
-        measures = [run.rounds.get((size, server.label, name), []) for server in servers]
+    for size, name, measures in group_rows(run, servers):
         whole = [combined(each) for each in measures]
         to_flask = ratio(measures[0], measures[1])
         to_raw = ratio(measures[0], measures[2])
@@ -178,9 +110,7 @@ def against_baseline(
             "| p99 ms service / other |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for size, name in group_rows(run, (service,)):
-            ours = run.rounds.get((size, service.label, name), [])
-            theirs = run.rounds.get((size, baseline.label, name), [])
+        for size, name, (ours, theirs) in group_rows(run, (service, baseline)):
             by_rps, by_cpu = ratio(ours, theirs), cpu_ratio(theirs, ours)
             whole, base = combined(ours), combined(theirs)
             lines.append(
@@ -201,8 +131,7 @@ def cpu_table(run: Run, servers: tuple[Server, ...]) -> list[str]:
         "whole machine | wrk (cores) | other processes (cores) |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for size, name in group_rows(run, servers):
-        measures = [run.rounds.get((size, s.label, name), []) for s in servers]
+    for size, name, measures in group_rows(run, servers):
         whole = [combined(each) for each in measures]
         for server, these, this in zip(servers, measures, whole, strict=True):
             base = server is servers[0]
@@ -302,11 +231,8 @@ def stability(run: Run) -> str:
     ):
         moves = []
         for _title, servers in run.groups:
-            for size, name in group_rows(run, servers):
-                found = ratio_of(
-                    run.rounds.get((size, servers[0].label, name), []),
-                    run.rounds.get((size, servers[1].label, name), []),
-                )
+            for size, name, (ours, floor) in group_rows(run, servers[:2]):
+                found = ratio_of(ours, floor)
                 moved = found.moved() if found else None
                 if moved is not None:
                     moves.append((moved, f"{servers[0].storage}://, {size:,} pets, {name}"))
@@ -620,180 +546,8 @@ def render(
     return text.replace(PREVIOUS, against_previous(text, previous))
 
 
-# --- the machine -----------------------------------------------------------------------------
-
-
 def previous_report(directory: Path) -> Path | None:
     """The newest report in `directory` with the bare-Flask floor (read before it is replaced)."""
     reports = sorted(directory.glob("*.md"), key=lambda each: each.stat().st_mtime)
     found = [each for each in reports if HEADLINE in each.read_text(errors="replace")]
     return found[-1] if found else None
-
-
-def machine_facts(conn: Conn, server_url: str | None) -> dict[str, str]:
-    """What the report says about the machine and the code (no paths, no secrets)."""
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
-    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
-    version = conn.execute("show server_version").fetchone()
-
-    def output(*command: str) -> str:
-        done = subprocess.run(
-            command, cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
-        )
-        return (done.stdout + done.stderr).strip()
-
-    dirty = output("git", "status", "--porcelain", "petstore", "sql", "wsgi.py", "deploy")
-    return {
-        "cpu": models[0] if models else platform.machine(),
-        "cores": str(os.cpu_count()),
-        "memory": f"{mem_kib / 2**20:.0f} GiB",
-        "postgres": f"PostgreSQL {version['server_version'].split()[0] if version else '?'}"
-        + (" (the machine's)" if server_url else " (embedded)"),
-        "python": f"Python {platform.python_version()}",
-        "wrk": "wrk " + output("wrk", "-v").split(" [")[0].split("/")[-1],
-        "commit": output("git", "rev-parse", "--short", "HEAD")
-        + (" plus uncommitted changes to the service" if dirty else ""),
-        "database": redacted(server_url) if server_url else "",
-    }
-
-
-def note_background_load(run: Run) -> None:
-    """Say how many measures ran while other processes kept the machine busy."""
-    every = [m for measures in run.rounds.values() for m in measures]
-    busy = [m.other_cpu / m.seconds for m in every if m.seconds]
-    noisy = [share for share in busy if share > 0.25]
-    if noisy:
-        run.notes.append(
-            f"Other processes on the machine used more than a quarter of a core during "
-            f"{len(noisy)} of {len(busy)} measures (up to {max(noisy):.2f} cores): those numbers "
-            "are noisy; the CPU per request (from /proc) is steadier than requests/s."
-        )
-
-
-# --- plots -------------------------------------------------------------------------------------
-
-
-def plot_size(run: Run, size: int, path: Path) -> Path:
-    """Requests/s and p99 per scenario, one bar per server, at one table size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    servers = [s for _title, group in run.groups for s in group]
-    servers = [
-        s for s in servers if any((size, s.label, n) in run.rounds for n in run.scenario_names)
-    ]
-    names = [
-        n for n in run.scenario_names if any((size, s.label, n) in run.rounds for s in servers)
-    ]
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(13, 8.5), sharex=True)
-    width = 0.8 / max(1, len(servers))
-    colors = plot_colors(servers)
-    for index, server in enumerate(servers):
-        whole = [combined(run.rounds.get((size, server.label, n), [])) for n in names]
-        positions = [x + (index - (len(servers) - 1) / 2) * width for x in range(len(names))]
-        top.bar(positions, [m.rps for m in whole], width, label=server.label, color=colors[index])
-        bottom.bar(positions, [m.p99_ms for m in whole], width, color=colors[index])
-    top.set_ylabel("requests/s (higher is better)")
-    bottom.set_ylabel("p99 latency, ms (lower is better)")
-    bottom.set_xticks(range(len(names)), [wrapped(n) for n in names], fontsize=8)
-    top.legend(fontsize=8, ncols=2)
-    top.set_title(f"{size:,} pets: throughput and p99 per scenario (wrk, medians of rounds)")
-    for axes in (top, bottom):
-        axes.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
-    return path
-
-
-def plot_summary(run: Run, path: Path) -> Path:
-    """Service ÷ bare-Flask floor per scenario and storage at the first size, min–max bars, targets."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    size = min(run.sizes)
-    figure, axes = plt.subplots(figsize=(11, 4.8))
-    names = run.scenario_names
-    width = 0.8 / max(1, len(run.groups))
-    for index, (_title, servers) in enumerate(run.groups):
-        found = [
-            ratio(
-                run.rounds.get((size, servers[0].label, n), []),
-                run.rounds.get((size, servers[1].label, n), []),
-            )
-            for n in names
-        ]
-        positions = [x + (index - (len(run.groups) - 1) / 2) * width for x in range(len(names))]
-        medians = [each.median if each else 0.0 for each in found]
-        low = [each.median - min(each.values) if each else 0.0 for each in found]
-        high = [max(each.values) - each.median if each else 0.0 for each in found]
-        axes.bar(
-            positions,
-            medians,
-            width,
-            yerr=[low, high],
-            capsize=3,
-            label=f"{servers[0].label} ÷ {servers[1].label}",
-        )
-        by_cpu = [
-            cpu_ratio(
-                run.rounds.get((size, servers[0].label, n), []),
-                run.rounds.get((size, servers[1].label, n), []),
-            )
-            for n in names
-        ]
-        axes.plot(
-            positions,
-            [each.median if each else float("nan") for each in by_cpu],
-            "D",
-            color="black",
-            markersize=5,
-            label="CPU-based: Flask floor app µs ÷ service app µs" if not index else None,
-        )
-    for x, name in enumerate(names):
-        axes.hlines(target_of(name), x - 0.45, x + 0.45, colors="black", linestyles="dashed")
-    axes.axhline(1.0, color="grey", linewidth=0.8)
-    axes.set_xticks(range(len(names)), [wrapped(n) for n in names], fontsize=8)
-    axes.set_ylabel("service ÷ bare-Flask floor, requests/s")
-    axes.set_title(
-        f"The service against the bare-Flask floor, {size:,} pets "
-        "(bars: median, min–max over rounds; dashed: target)"
-    )
-    axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2)
-    axes.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
-    return path
-
-
-def plot_colors(servers: list[Server]) -> list[str]:
-    """Service dark, bare-Flask floor middle, raw floor light; blue for memory, orange for redis,
-    green for redis through nginx."""
-    shades = {
-        ("nginx", SERVICE): "#1b6e3a",
-        ("nginx", FLASK_FLOOR): "#4caf6e",
-        ("nginx", RAW_FLOOR): "#a5d9b5",
-        ("memory", SERVICE): "#1f4e99",
-        ("memory", FLASK_FLOOR): "#4f8fdb",
-        ("memory", RAW_FLOOR): "#a9c8ef",
-        ("redis", SERVICE): "#b34700",
-        ("redis", FLASK_FLOOR): "#f08a3c",
-        ("redis", RAW_FLOOR): "#f7c79f",
-    }
-    return [shades.get(("nginx" if s.nginx else s.storage, s.app), "#888888") for s in servers]
-
-
-def wrapped(name: str) -> str:
-    """A scenario name on two lines at its middle space, for an axis label."""
-    if len(name) < 22 or " " not in name:
-        return name
-    middle = len(name) // 2
-    spaces = [i for i, c in enumerate(name) if c == " "]
-    cut = min(spaces, key=lambda i: abs(i - middle))
-    return name[:cut] + "\n" + name[cut + 1 :]

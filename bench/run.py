@@ -51,6 +51,7 @@ from bench.database import (
     seed,
 )
 from bench.inprocess import budget_table, measure_budget
+from bench.machine import machine_facts, note_background_load
 from bench.measure import (
     ROOT,
     STARTED,
@@ -64,15 +65,8 @@ from bench.measure import (
     peak_rss_kib,
     run_wrk,
 )
-from bench.report import (
-    Run,
-    machine_facts,
-    note_background_load,
-    plot_size,
-    plot_summary,
-    previous_report,
-    render,
-)
+from bench.plots import plot_size, plot_summary
+from bench.report import Run, previous_report, render
 from bench.servers import (
     FLASK_FLOOR,
     RAW_FLOOR,
@@ -82,7 +76,6 @@ from bench.servers import (
     Server,
     compare_answers,
     sample_answers,
-    shown_command,
     start_servers,
 )
 
@@ -165,20 +158,6 @@ def size_checks(table: Table) -> list[Scenario]:
 def interrupt(signum: int, frame: FrameType | None) -> None:
     """SIGTERM behaves like Ctrl-C: unwind, stopping every server on the way."""
     raise KeyboardInterrupt
-
-
-def started(
-    stack: contextlib.ExitStack,
-    servers: tuple[Server, ...],
-    database_url: str,
-    redis_url: str,
-    table: Table,
-    run: Run,
-) -> dict[Server, Running]:
-    """Start the servers (stopped when `stack` closes) and note their commands for the report."""
-    for server in servers:
-        run.commands.setdefault(server.label, shown_command(server))
-    return start_servers(stack, servers, database_url, redis_url, str(table.size))
 
 
 def check_and_warm_up(
@@ -270,7 +249,9 @@ def bench_group(
     """The service and both floors of one group: interleaved rounds of every scenario."""
     redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
     with contextlib.ExitStack() as stack:
-        masters = started(stack, servers, database_url, args.redis_url, table, run)
+        masters = start_servers(
+            stack, servers, database_url, args.redis_url, str(table.size), run.commands
+        )
         targets = check_and_warm_up(args, conn, masters, key, table, run)
 
         def keep(server: Server, scenario: Scenario, measure: Measure) -> None:
@@ -337,7 +318,9 @@ def side_by_side(
     """Start `servers`, run `rounds` interleaved rounds of `chosen` on them, keep each measure
     in `into` by (scenario, server label), and say how each did."""
     with contextlib.ExitStack() as stack:
-        masters = started(stack, servers, database_url, args.redis_url, table, run)
+        masters = start_servers(
+            stack, servers, database_url, args.redis_url, str(table.size), run.commands
+        )
         targets = check_and_warm_up(args, conn, masters, key, table, run)
 
         def keep(server: Server, scenario: Scenario, measure: Measure) -> None:
@@ -372,8 +355,9 @@ def table_sizes(
         }
         targets, chosen = {}, {}
         for server, (url, its_key, table, its_conn) in sides.items():
-            run.commands.setdefault(server.label, shown_command(server))
-            running = start_servers(stack, (server,), url, args.redis_url, str(table.size))[server]
+            running = start_servers(
+                stack, (server,), url, args.redis_url, str(table.size), run.commands
+            )[server]
             env = {
                 **os.environ,
                 "BENCH_KEY": its_key,

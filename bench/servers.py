@@ -14,8 +14,6 @@ import multiprocessing
 import os
 import shlex
 import subprocess
-import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,30 +89,6 @@ class BenchGunicorn(DeployedGunicorn):
     `environ` is the whole environment (server_env leaves out the caller's service settings);
     ready when /healthz answers and every worker is up.
     """
-
-    def __init__(
-        self,
-        app: list[str],
-        environ: Mapping[str, str],
-        log_path: Path,
-        workers: int,
-        threads: int,
-        tree: Path = ROOT,
-    ) -> None:
-        super().__init__(
-            environ,
-            log_path,
-            workers=workers,
-            threads=threads,
-            start_timeout=30.0,
-            stop_timeout=30.0,
-        )
-        self.app = app
-        self.tree = tree  # gunicorn imports the app, and reads its config, from this tree
-
-    def command(self) -> list[str]:
-        """gunicorn with the deploy config; workers, threads and class come from the environment."""
-        return [sys.executable, "-m", "gunicorn", "-c", GUNICORN_CONFIG, *self.app]
 
     def start(self) -> None:
         """Start it with exactly `environ`, and wait (bounded) until every worker is up."""
@@ -241,19 +215,24 @@ def start_servers(
     database_url: str,
     redis_url: str,
     name: str,
+    commands: dict[str, str] | None = None,
 ) -> dict[Server, Running]:
-    """Start each server on a free port (and its nginx), stopped when `stack` closes."""
+    """Start each server on a free port (and its nginx), stopped when `stack` closes; note in
+    `commands` how each is started, by its label, for the report."""
     started: dict[Server, Running] = {}
     for server in servers:
+        if commands is not None:
+            commands.setdefault(server.label, shown_command(server))
         env = server_env(server, database_url, redis_url)
         log_name = f"{name}-{server.label}".replace(" ", "-").replace("://", "").replace("×", "x")
         gunicorn = BenchGunicorn(
-            server_app(server),
             env,
             LOG_DIR / f"{log_name}.log",
-            server.workers,
-            server.threads,
-            baseline_tree(server.commit) if server.commit else ROOT,
+            workers=server.workers,
+            threads=server.threads,
+            stop_timeout=30.0,
+            app=server_app(server),
+            tree=baseline_tree(server.commit) if server.commit else ROOT,
         )
         stack.enter_context(gunicorn)
         nginx = None

@@ -54,9 +54,9 @@ def create_app(
     app.register_blueprint(root.bp)
     app.register_blueprint(metrics_view.bp)
     for resource in views.RESOURCES:
-        app.register_blueprint(resource.bp, url_prefix=API_PREFIX)
-    # The OpenAPI document, built once here, describes the resources' operations.
-    app.register_blueprint(docs.bp, url_prefix=API_PREFIX, descriptions=views.described())
+        app.register_blueprint(resource, url_prefix=API_PREFIX)
+    # The OpenAPI document, built once here, describes the resources and their operations.
+    app.register_blueprint(docs.bp, url_prefix=API_PREFIX, resources=views.RESOURCES)
     # Requests are counted by the operationId of their route (metrics.OTHER_ENDPOINTS elsewhere).
     metrics.init_app(app, views.operation_ids(app))
     return app

@@ -426,4 +426,4 @@ def openapi_document() -> None:
         settings = config.from_environ()
     except config.ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(openapi.to_json(openapi.build_document(settings, views.described())), nl=False)
+    click.echo(openapi.to_json(openapi.build_document(settings, views.RESOURCES)), nl=False)

@@ -1,14 +1,23 @@
-"""The OpenAPI document of the API, built by apispec from the marshmallow schemas (add_components)."""
+"""The OpenAPI document of the API, built by apispec from what each resource declares beside its views.
+
+A views module's blueprint is a `Resource`: its tag, the schema and header components its
+operations use, and each operation, routed and described by one decorator,
+`@bp.operation(rule, method, operation_object)`. build_document collects them; this module
+imports no view.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin
-from werkzeug.http import http_date
+from flask import Blueprint
+from marshmallow import Schema
 
 from petstore import errors, schemas
 from petstore.ratelimit import plans
@@ -80,17 +89,10 @@ def rate_limit_headers() -> dict[str, str]:
     return {name: name for name in RATE_LIMIT_HEADERS}
 
 
-def deprecation_headers() -> dict[str, str]:
-    """getPet's Deprecation, Sunset and successor Link headers (the response header name -> component id)."""
-    return {"Deprecation": "Deprecation", "Sunset": "Sunset", "Link": "SuccessorLink"}
-
-
-def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
-    """Schemas, headers, shared responses and the security scheme."""
-    spec.components.schema("NewPet", schema=schemas.NewPetSchema)
-    spec.components.schema("Pet", schema=schemas.PetSchema)
+def add_components(spec: APISpec) -> None:
+    """What every operation shares: the Error schema, the rate-limit and error headers, the
+    shared responses and the security scheme."""
     spec.components.schema("Error", schema=schemas.ErrorSchema)
-    spec.components.schema("RateLimit", schema=schemas.RateLimitSchema)
     spec.components.security_scheme(
         SECURITY_SCHEME,
         {
@@ -162,60 +164,6 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
             "schema": {"type": "string"},
         },
     )
-    spec.components.header(
-        "Location",
-        {
-            "description": "The path of the new pet.",
-            "required": True,
-            "schema": {"type": "string", "example": "/v1/pets/1"},
-        },
-    )
-    spec.components.header(
-        "Idempotent-Replayed",
-        {
-            "description": "`true` when this is the stored first response to an earlier request "
-            "with the same `Idempotency-Key`, replayed.",
-            "required": False,
-            "schema": {"type": "string", "enum": ["true"]},
-        },
-    )
-    spec.components.header(
-        "NextPage",
-        {
-            "description": 'The next page, on full pages only: `<url>; rel="next"` (RFC 8288); its '
-            "`after` parameter is the id of the last pet of this page.",
-            "required": False,
-            "schema": {"type": "string", "example": '</v1/pets?limit=20&after=20>; rel="next"'},
-        },
-    )
-    spec.components.header(
-        "Deprecation",
-        {
-            "description": "When this operation became deprecated (RFC 9745): `@` and unix seconds.",
-            "required": True,
-            "schema": {
-                "type": "string",
-                "pattern": "^@-?[0-9]+$",
-                "example": f"@{config['DEPRECATED_AT']}",
-            },
-        },
-    )
-    spec.components.header(
-        "Sunset",
-        {
-            "description": "When this operation goes away (RFC 8594), as an HTTP date.",
-            "required": True,
-            "schema": {"type": "string", "example": http_date(config["SUNSET"])},
-        },
-    )
-    spec.components.header(
-        "SuccessorLink",
-        {
-            "description": "The replacement: `GET /v1/pets` (with the `status` filter).",
-            "required": True,
-            "schema": {"type": "string", "example": '</v1/pets>; rel="successor-version"'},
-        },
-    )
     spec.components.response(
         "BadRequest",
         error_response_object(
@@ -262,47 +210,113 @@ def common_responses() -> dict[str, str]:
     }
 
 
-# An operation's OpenAPI description, from the app's settings: the Operation Object.
-Describe = Callable[[Mapping[str, Any]], dict[str, Any]]
-# (path under /v1, method, its description): what build_document is given for each operation.
-Described = tuple[str, str, Describe]
+# What the document says of one operation, from the app's settings: its Operation Object.
+OperationObject = Callable[[Mapping[str, Any]], dict[str, Any]]
+# A view function, kept as it is by the decorator that routes it.
+View = TypeVar("View", bound=Callable[..., Any])
+
+# A variable of a Flask rule, `<pet_id>` or `<int:pet_id>` (flask-smorest's rule_to_path reads
+# rules the same way): the document names it in camelCase, `{petId}`.
+RULE_VARIABLE = re.compile(r"<(?:[^:<>]+:)?([^<>]+)>")
 
 
-class Operations:
-    """The OpenAPI descriptions of one views module's operations, each written beside its view.
+def document_path(rule: str) -> str:
+    """A Flask rule as the document writes its path: `/pets/<pet_id>` -> `/pets/{petId}`."""
 
-    `@OPERATIONS.describe("/pets", "get")` on a function (settings -> Operation Object) next to
-    the view it describes; petstore.views.described() gathers every resource's, in the order
-    written, for build_document.
-    """
+    def parameter(variable: re.Match[str]) -> str:
+        first, *rest = variable[1].split("_")
+        return "{" + first + "".join(word.capitalize() for word in rest) + "}"
 
-    def __init__(self) -> None:
-        self.described: list[Described] = []
+    return RULE_VARIABLE.sub(parameter, rule)
 
-    def describe(self, path: str, method: str) -> Callable[[Describe], Describe]:
-        """Register the decorated function as the description of `method` on `path` (under /v1)."""
 
-        def register(describe: Describe) -> Describe:
-            self.described.append((path, method, describe))
-            return describe
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One operation of a resource: where it is routed and what the document says of it."""
+
+    path: str  # under /v1, as the document writes it: /pets/{petId}
+    method: str  # lowercase, as the document's path item keys it
+    endpoint: str  # the Flask endpoint of its view: pets.get_pet
+    operation_object: OperationObject
+
+
+class Resource(Blueprint):
+    """A blueprint of the API under /v1 that also declares what the OpenAPI document says of it:
+    its tag, the components its operations use, and each operation beside its view."""
+
+    def __init__(
+        self,
+        name: str,
+        import_name: str,
+        *,
+        tag: str,
+        tag_description: str,
+        schemas: Mapping[str, type[Schema] | dict[str, Any]] | None = None,
+        headers: Callable[[Mapping[str, Any]], Mapping[str, dict[str, Any]]] | None = None,
+    ) -> None:
+        super().__init__(name, import_name)
+        self.tag = {"name": tag, "description": tag_description}
+        # Schema components by name (a marshmallow schema, or a Schema Object as it is), and
+        # header components by id from the settings.
+        self.schemas: Mapping[str, type[Schema] | dict[str, Any]] = schemas or {}
+        self.headers = headers
+        self.operations: list[Operation] = []
+
+    def operation(
+        self, rule: str, method: str, operation_object: OperationObject
+    ) -> Callable[[View], View]:
+        """Route the decorated view at `rule` (under /v1) for `method`, and describe it in the
+        document by `operation_object`: the path is written here only."""
+
+        def register(view: View) -> View:
+            self.add_url_rule(rule, view_func=view, methods=[method.upper()])
+            self.operations.append(
+                Operation(
+                    document_path(rule),
+                    method.lower(),
+                    f"{self.name}.{view.__name__}",
+                    operation_object,
+                )
+            )
+            return view
 
         return register
 
+    def add_components(self, spec: APISpec, config: Mapping[str, Any]) -> None:
+        """This resource's schema and header components."""
+        for name, schema in self.schemas.items():
+            if isinstance(schema, dict):
+                spec.components.schema(name, component=schema)
+            else:
+                spec.components.schema(name, schema=schema)
+        if self.headers is not None:
+            for component_id, header in self.headers(config).items():
+                spec.components.header(component_id, header)
 
-def add_paths(spec: APISpec, config: Mapping[str, Any], descriptions: Iterable[Described]) -> None:
-    """The operations, as the views describe them (petstore.views.described)."""
+
+def add_paths(spec: APISpec, config: Mapping[str, Any], resources: Iterable[Resource]) -> None:
+    """The resources' operations, grouped by path."""
     paths: dict[str, dict[str, Any]] = {}
-    for path, method, describe in descriptions:
-        paths.setdefault(path, {})[method] = describe(config)
-    for path, described in paths.items():
-        spec.path(path, operations=described)
+    for resource in resources:
+        for operation in resource.operations:
+            found = operation.operation_object(config)
+            # The resource's tag, in the place the Operation Object's fields usually take.
+            paths.setdefault(operation.path, {})[operation.method] = {
+                "operationId": found.pop("operationId"),
+                "tags": [resource.tag["name"]],
+                **found,
+            }
+    for path, operations in paths.items():
+        spec.path(path, operations=operations)
 
 
-def deprecated_error(status: int, description: str) -> dict[str, Any]:
-    """An Error response of getPet itself, with its deprecation headers."""
-    response = error_response_object(status, description)
-    response["headers"].update(deprecation_headers())
-    return response
+def operation_ids(config: Mapping[str, Any], resources: Iterable[Resource]) -> dict[str, str]:
+    """Flask endpoint -> operationId of each of the resources' operations."""
+    return {
+        operation.endpoint: operation.operation_object(config)["operationId"]
+        for resource in resources
+        for operation in resource.operations
+    }
 
 
 # The first server without PETSTORE_BASE_URL: relative, so it resolves against wherever the
@@ -321,9 +335,10 @@ def servers(config: Mapping[str, Any]) -> list[dict[str, str]]:
     return found
 
 
-def build_document(config: Mapping[str, Any], descriptions: Iterable[Described]) -> dict[str, Any]:
-    """The OpenAPI document for an app with this configuration and these operations
-    (petstore.views.described()): the same whoever asks."""
+def build_document(config: Mapping[str, Any], resources: Iterable[Resource]) -> dict[str, Any]:
+    """The OpenAPI document for an app with this configuration and these resources
+    (petstore.views.RESOURCES): the same whoever asks."""
+    resources = tuple(resources)
     spec = APISpec(
         title="Animal Store",
         version=API_VERSION,
@@ -332,14 +347,12 @@ def build_document(config: Mapping[str, Any], descriptions: Iterable[Described])
         info={"description": description()},
         servers=servers(config),
         security=[{SECURITY_SCHEME: []}],
-        tags=[
-            {"name": "pets", "description": "The animals of the catalogue."},
-            {"name": "store", "description": "Store orders (named by the specification only)."},
-            {"name": "rate limits", "description": "The caller's own budget and standing."},
-        ],
+        tags=[resource.tag for resource in resources],
     )
-    add_components(spec, config)
-    add_paths(spec, config, descriptions)
+    add_components(spec)
+    for resource in resources:
+        resource.add_components(spec, config)
+    add_paths(spec, config, resources)
     document = spec.to_dict()
     # The usual reading order: what it is, where, then what it offers.
     document["info"] = {key: document["info"][key] for key in ("title", "version", "description")}

@@ -68,9 +68,9 @@ def assets_dir() -> Path:
 
 @bp.record_once
 def store_document(state: BlueprintSetupState) -> None:
-    """Build the document's JSON once per app, when the blueprint is registered with the operations
-    it describes (`descriptions=petstore.views.described()`, see create_app)."""
-    document = openapi.build_document(state.app.config, state.options["descriptions"])
+    """Build the document's JSON once per app, when the blueprint is registered with the resources
+    it describes (`resources=petstore.views.RESOURCES`, see create_app)."""
+    document = openapi.build_document(state.app.config, state.options["resources"])
     state.app.extensions[EXTENSION] = openapi.to_json(document)
 
 

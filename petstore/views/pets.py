@@ -1,4 +1,4 @@
-"""The pets resource: list, create, and the deprecated get-one; each view with its OpenAPI description."""
+"""The pets resource: list, create, and the deprecated get-one; each view routed with its Operation Object."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from flask import Blueprint, Response, current_app
+from flask import Response, current_app
 from werkzeug.http import http_date
 
 from petstore import idempotency, schemas
@@ -16,28 +16,86 @@ from petstore.db import Connection, durable_write, get_conn, read_on_standby_if_
 from petstore.errors import APIError
 from petstore.openapi import (
     JSON,
-    Operations,
+    Resource,
     common_responses,
-    deprecated_error,
-    deprecation_headers,
     error_response_object,
     rate_limit_headers,
 )
 from petstore.queries import pets as pet_sql
 from petstore.web import API_PREFIX, body_as_json, json_response, validate, validate_query
 
-bp = Blueprint("pets", __name__)
-OPERATIONS = Operations()
+
+def header_components(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The headers of the pets' responses, by component id: Location, the replay flag, the next
+    page, and getPet's deprecation."""
+    return {
+        "Location": {
+            "description": "The path of the new pet.",
+            "required": True,
+            "schema": {"type": "string", "example": "/v1/pets/1"},
+        },
+        "Idempotent-Replayed": {
+            "description": "`true` when this is the stored first response to an earlier request "
+            "with the same `Idempotency-Key`, replayed.",
+            "required": False,
+            "schema": {"type": "string", "enum": ["true"]},
+        },
+        "NextPage": {
+            "description": 'The next page, on full pages only: `<url>; rel="next"` (RFC 8288); its '
+            "`after` parameter is the id of the last pet of this page.",
+            "required": False,
+            "schema": {"type": "string", "example": '</v1/pets?limit=20&after=20>; rel="next"'},
+        },
+        "Deprecation": {
+            "description": "When this operation became deprecated (RFC 9745): `@` and unix seconds.",
+            "required": True,
+            "schema": {
+                "type": "string",
+                "pattern": "^@-?[0-9]+$",
+                "example": f"@{config['DEPRECATED_AT']}",
+            },
+        },
+        "Sunset": {
+            "description": "When this operation goes away (RFC 8594), as an HTTP date.",
+            "required": True,
+            "schema": {"type": "string", "example": http_date(config["SUNSET"])},
+        },
+        "SuccessorLink": {
+            "description": "The replacement: `GET /v1/pets` (with the `status` filter).",
+            "required": True,
+            "schema": {"type": "string", "example": '</v1/pets>; rel="successor-version"'},
+        },
+    }
+
+
+bp = Resource(
+    "pets",
+    __name__,
+    tag="pets",
+    tag_description="The animals of the catalogue.",
+    schemas={"NewPet": schemas.NewPetSchema, "Pet": schemas.PetSchema},
+    headers=header_components,
+)
 
 PET_ID = schemas.DIGITS
 
 
-@OPERATIONS.describe("/pets", "get")
-def describe_list_pets(config: Mapping[str, Any]) -> dict[str, Any]:
-    """listPets in the OpenAPI document."""
+def deprecation_headers() -> dict[str, str]:
+    """getPet's Deprecation, Sunset and successor Link headers (the response header name -> component id)."""
+    return {"Deprecation": "Deprecation", "Sunset": "Sunset", "Link": "SuccessorLink"}
+
+
+def deprecated_error(status: int, description: str) -> dict[str, Any]:
+    """An Error response of getPet itself, with its deprecation headers."""
+    response = error_response_object(status, description)
+    response["headers"].update(deprecation_headers())
+    return response
+
+
+def list_pets_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+    """listPets' Operation Object."""
     return {
         "operationId": "listPets",
-        "tags": ["pets"],
         "summary": "List pets",
         "description": "Pets by id ascending, at most `limit` of them, optionally only "
         'those of one `status`. A full page carries `Link: <...>; rel="next"` to the '
@@ -55,7 +113,7 @@ def describe_list_pets(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-@bp.get("/pets")
+@bp.operation("/pets", "get", list_pets_operation)
 def list_pets() -> Response:
     """listPets: one page by id ascending; a Link rel=next when the page is full."""
     query = validate_query(schemas.list_pets_query)
@@ -76,12 +134,10 @@ def list_pets() -> Response:
     return json_response(page["pets"], headers=headers)
 
 
-@OPERATIONS.describe("/pets", "post")
-def describe_create_pet(config: Mapping[str, Any]) -> dict[str, Any]:
-    """createPet in the OpenAPI document."""
+def create_pet_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+    """createPet's Operation Object."""
     return {
         "operationId": "createPet",
-        "tags": ["pets"],
         "summary": "Add a pet",
         "description": "Stores a NewPet and answers the Pet with its new `id`. A `status` "
         "left out stays unstated (it is not defaulted).",
@@ -151,7 +207,7 @@ def idempotency_key_parameter() -> dict[str, Any]:
     }
 
 
-@bp.post("/pets")
+@bp.operation("/pets", "post", create_pet_operation)
 @needs_scope("write")
 def create_pet() -> Response:
     """createPet: store a NewPet, answer 201 with the Pet and its Location; Idempotency-Key aware."""
@@ -177,14 +233,12 @@ def create_pet() -> Response:
         return idempotency.once(conn, current_caller().key_id, key, new_pet, store)
 
 
-@OPERATIONS.describe("/pets/{petId}", "get")
-def describe_get_pet(config: Mapping[str, Any]) -> dict[str, Any]:
-    """getPet in the OpenAPI document: deprecated, with its sunset from the settings."""
+def get_pet_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+    """getPet's Operation Object: deprecated, with its sunset from the settings."""
     sunset = http_date(config["SUNSET"])
     sunset_day = time.strftime("%Y-%m-%d", time.gmtime(config["SUNSET"]))
     return {
         "operationId": "getPet",
-        "tags": ["pets"],
         "summary": "Get a pet (deprecated)",
         "description": f"Deprecated: removed at its sunset, {sunset}; from then on it "
         "answers 410. Use `GET /pets` with the `status` filter instead. Every answer "
@@ -225,7 +279,7 @@ def deprecation_fields(deprecated_at: int, sunset: int) -> tuple[tuple[str, str]
     )
 
 
-@bp.get("/pets/<pet_id>")
+@bp.operation("/pets/<pet_id>", "get", get_pet_operation)
 def get_pet(pet_id: str) -> Response:
     """getPet (deprecated): one pet, with Deprecation, Sunset and a Link to its successor."""
     config = current_app.config

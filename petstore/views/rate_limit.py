@@ -5,24 +5,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flask import Blueprint, Response
+from flask import Response
 
 from petstore import schemas
 from petstore.auth import current_caller, uncounted
-from petstore.openapi import JSON, Operations, common_responses, rate_limit_headers
+from petstore.openapi import JSON, Resource, common_responses, rate_limit_headers
 from petstore.ratelimit import budgets
 from petstore.web import json_response
 
-bp = Blueprint("rate_limit", __name__)
-OPERATIONS = Operations()
+bp = Resource(
+    "rate_limit",
+    __name__,
+    tag="rate limits",
+    tag_description="The caller's own budget and standing.",
+    schemas={"RateLimit": schemas.RateLimitSchema},
+)
 
 
-@OPERATIONS.describe("/rate_limit", "get")
-def describe_get_rate_limit(config: Mapping[str, Any]) -> dict[str, Any]:
-    """getRateLimit in the OpenAPI document."""
+def get_rate_limit_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+    """getRateLimit's Operation Object."""
     return {
         "operationId": "getRateLimit",
-        "tags": ["rate limits"],
         "summary": "The caller's own rate limits, ban and strikes",
         "description": "Spends no budget and counts no strike, and answers 200 also "
         "while the key is throttled or banned, so a client can learn when to come back. "
@@ -40,7 +43,7 @@ def describe_get_rate_limit(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-@bp.get("/rate_limit")
+@bp.operation("/rate_limit", "get", get_rate_limit_operation)
 @uncounted
 def get_rate_limit() -> Response:
     """getRateLimit: plan, limits, ban and strikes of the key; 200 also while throttled or banned."""

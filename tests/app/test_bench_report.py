@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.measure import Measure, cpu_seconds, process_tree
+from bench.numbers import ratio
 from bench.profile import folded_stacks, top_frames
 from bench.report import (
     Run,
@@ -20,7 +21,6 @@ from bench.report import (
     against_previous,
     cpu_table,
     headline_ratios,
-    ratio,
     render,
 )
 from bench.run import parse_args, rotation

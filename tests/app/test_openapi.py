@@ -394,3 +394,55 @@ def test_docs_with_a_trailing_slash_redirects_to_the_page(client: FlaskClient) -
 @pytest.mark.parametrize("name", ["index.css", "swagger-ui.js", "LICENSE", "nothing.js"])
 def test_docs_serves_no_other_file(client: FlaskClient, name: str) -> None:
     assert_error(client.get(f"/v1/docs/assets/{name}"), 404, "not_found")
+
+
+@pytest.mark.parametrize(
+    ("rule", "path"),
+    [
+        ("/pets", "/pets"),
+        ("/pets/<pet_id>", "/pets/{petId}"),
+        ("/store/<int:order_id>/lines/<line>", "/store/{orderId}/lines/{line}"),
+    ],
+)
+def test_a_rule_is_written_once_and_the_document_path_follows(rule: str, path: str) -> None:
+    assert openapi.document_path(rule) == path
+
+
+def test_a_resource_routes_and_describes_each_operation_with_its_tag_and_components() -> None:
+    """One decorator routes a view and describes it; the document takes the resource's tag,
+    schemas and headers without openapi.py naming them."""
+    bp = openapi.Resource(
+        "things",
+        __name__,
+        tag="things",
+        tag_description="Things of a test.",
+        schemas={"Thing": schemas.PetSchema, "Count": {"type": "integer"}},
+        headers=lambda config: {"ThingCount": {"schema": {"type": "integer"}}},
+    )
+
+    def get_thing_operation(config: Any) -> dict[str, Any]:
+        return {"operationId": "getThing", "responses": {"200": {"description": "A thing."}}}
+
+    @bp.operation("/things/<thing_id>", "get", get_thing_operation)
+    def get_thing(thing_id: str) -> str:
+        return thing_id
+
+    app = Flask(__name__)
+    app.register_blueprint(bp, url_prefix="/v1")
+    assert app.test_client().get("/v1/things/7").get_data(as_text=True) == "7"
+    assert app.test_client().post("/v1/things/7").status_code == 405
+    assert openapi.operation_ids(app.config, [bp]) == {"things.get_thing": "getThing"}
+    document = openapi.build_document({}, [bp])
+    assert document["tags"] == [{"name": "things", "description": "Things of a test."}]
+    assert document["paths"] == {
+        "/things/{thingId}": {
+            "get": {
+                "operationId": "getThing",
+                "tags": ["things"],
+                "responses": {"200": {"description": "A thing."}},
+            }
+        }
+    }
+    assert set(document["components"]["schemas"]) == {"Error", "Thing", "Count"}
+    assert document["components"]["schemas"]["Count"] == {"type": "integer"}
+    assert "ThingCount" in document["components"]["headers"]

@@ -48,7 +48,7 @@ def fuzz_config(max_examples: int) -> SchemathesisConfig:
 
 # The document as `petstore openapi` prints it; every app under test must serve exactly this.
 # Each schema gets a copy of its own: schemathesis may rewrite the dict it is given.
-DOCUMENT = openapi.to_json(openapi.build_document(config.from_environ(), views.described()))
+DOCUMENT = openapi.to_json(openapi.build_document(config.from_environ(), views.RESOURCES))
 with_key = schemathesis.openapi.from_dict(json.loads(DOCUMENT), config=fuzz_config(100))
 without_key = schemathesis.openapi.from_dict(json.loads(DOCUMENT), config=fuzz_config(20))
 

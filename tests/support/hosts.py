@@ -18,7 +18,8 @@ import psycopg
 from tests.support.nginx import DeployedGunicorn
 from tests.support.patroni import PG_BIN, as_account, give_to_account
 from tests.support.programs import program
-from tests.support.servers import RedisServer, ServerProcess, Service
+from tests.support.redis_servers import RedisServer
+from tests.support.servers import ServerProcess, Service
 
 
 def ip(*args: str) -> None:

@@ -264,7 +264,11 @@ class Nginx(ServerProcess):
 
 
 class DeployedGunicorn(Gunicorn):
-    """gunicorn as deployed: `gunicorn -c deploy/gunicorn.conf.py wsgi:app`, set up by the environment."""
+    """gunicorn as deployed: `gunicorn -c deploy/gunicorn.conf.py wsgi:app`, set up by the environment.
+
+    `app` serves another app the same way (bench/'s floors), and `tree` another checkout (a
+    baseline build): gunicorn reads the config and imports the app from there.
+    """
 
     def __init__(
         self,
@@ -275,6 +279,8 @@ class DeployedGunicorn(Gunicorn):
         threads: int = 2,
         start_timeout: float = 30.0,
         stop_timeout: float = 10.0,
+        app: Sequence[str] = ("wsgi:app",),
+        tree: Path = ROOT,
     ) -> None:
         super().__init__(
             environ,
@@ -294,10 +300,13 @@ class DeployedGunicorn(Gunicorn):
             }
         )
         self.address = f"{LOOPBACK}:{self.port}"
+        self.app = list(app)
+        self.tree = tree
 
     def command(self) -> list[str]:
         """The shipped config file and the app, nothing else."""
-        return [sys.executable, "-m", "gunicorn", "-c", str(GUNICORN_CONF), "wsgi:app"]
+        config_file = self.tree / GUNICORN_CONF.relative_to(ROOT)
+        return [sys.executable, "-m", "gunicorn", "-c", str(config_file), *self.app]
 
     def records(self) -> list[dict[str, Any]]:
         """The log as JSON objects (lines that are not JSON are left out; see log_lines)."""

@@ -19,11 +19,12 @@ from psycopg import conninfo
 
 from petstore import config, db, devserver, keys, migrations
 from tests.support.programs import program
+from tests.support.redis_servers import RedisServer
 from tests.support.servers import (
     LOOPBACK,
     ROOT,
-    RedisServer,
     ServerProcess,
+    Service,
     free_port,
     poll_until,
     run_every,
@@ -267,9 +268,9 @@ class PatroniNode(ServerProcess):
         )
 
 
-class Cluster:
+class Cluster(Service):
     """etcd, Patroni nodes db1 and db2 (db1 the first primary, db2 its synchronous standby), Redis,
-    a database `petstore` migrated and a key issued."""
+    a database `petstore` migrated and a key issued; a Service (a with block starts and stops it)."""
 
     def __init__(
         self,
@@ -288,6 +289,7 @@ class Cluster:
         self.key = ""
 
     def start(self) -> None:
+        """Redis, etcd, then db1 until it leads and db2 until it is its synchronous standby."""
         self.redis.start()
         self.etcd.start()
         first, second = self.nodes
@@ -301,6 +303,7 @@ class Cluster:
             self.key, _row = keys.issue_key(conn, "enterprise", "patroni", 10**7, 10**8)
 
     def stop(self) -> None:
+        """Every node, etcd and Redis, each stopped even when another fails to."""
         run_every([*(node.stop for node in self.nodes), self.etcd.stop, self.redis.stop])
 
     def url(self, dbname: str = "petstore", attrs: str = "read-write") -> str:

@@ -17,13 +17,8 @@ from petstore.ratelimit import storages
 from tests.support.checks import call
 from tests.support.databases import empty_database
 from tests.support.programs import program
-from tests.support.servers import (
-    Gunicorn,
-    RedisClusterNode,
-    poll_until,
-    redis_command,
-    redis_fields,
-)
+from tests.support.redis_servers import RedisClusterNode, redis_command, redis_fields
+from tests.support.servers import Gunicorn, poll_until
 
 NODES = 3
 FREE_PER_MINUTE = 60

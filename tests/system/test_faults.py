@@ -27,16 +27,8 @@ from petstore import config, db, devserver, keys, migrations
 from tests.support import reports
 from tests.support.checks import Answer, call
 from tests.support.nginx import DeployedGunicorn, Nginx
-from tests.support.servers import (
-    PgBouncer,
-    RedisReplica,
-    RedisSentinel,
-    RedisServer,
-    Service,
-    ThrowawayPostgres,
-    poll_until,
-    run_every,
-)
+from tests.support.redis_servers import RedisReplica, RedisSentinel, RedisServer
+from tests.support.servers import PgBouncer, Service, ThrowawayPostgres, poll_until, run_every
 
 APP_DBNAME = "petstore"
 # The app's bounds, small so that a fault is noticed within about a second; all ordinary settings.
@@ -134,8 +126,9 @@ def print_table(results: list[Result]) -> None:
         print(result.row())
 
 
-class Stack:
-    """Throwaway PostgreSQL and Redis, two gunicorn instances (shipped config) and nginx (shipped site)."""
+class Stack(Service):
+    """Throwaway PostgreSQL and Redis, two gunicorn instances (shipped config) and nginx (shipped
+    site); a Service (a with block starts and stops it)."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -490,12 +483,10 @@ def check_load(stack: Stack, load: Load, *, kills: bool = False) -> None:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The module's stack; the outcome table of every fault in the run's summary at the end."""
-    running = Stack(tmp_path_factory.mktemp("faults"))
     try:
-        running.start()
-        yield running
+        with Stack(tmp_path_factory.mktemp("faults")) as running:
+            yield running
     finally:
-        running.stop()
         if RESULTS:
             # In pytest's summary at the end of the run (and so in CI's log), not among the dots.
             reports.add(
@@ -507,12 +498,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def scaled(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScaledStack]:
     """The module's PostgreSQL behind PgBouncer, with Redis Sentinel: two more instances and nginx."""
-    running = ScaledStack(tmp_path_factory.mktemp("faults-scaled"), stack)
-    try:
-        running.start()
+    with ScaledStack(tmp_path_factory.mktemp("faults-scaled"), stack) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def reads(load: Load) -> list[Attempt]:

@@ -28,13 +28,8 @@ from tests.support.checks import (
     rate_limit_numbers,
     retry_after,
 )
-from tests.support.servers import (
-    ACCESS_PID_FORMAT,
-    Gunicorn,
-    RedisServer,
-    SilentServer,
-    loopback_redis_url,
-)
+from tests.support.redis_servers import RedisServer, loopback_redis_url
+from tests.support.servers import ACCESS_PID_FORMAT, Gunicorn, SilentServer
 
 FREE_PER_MINUTE = 60
 # The limiter's socket timeouts (PETSTORE_REDIS_TIMEOUT, here its default), set explicitly.

@@ -14,7 +14,8 @@ import redis
 from petstore import db
 from tests.support.checks import Answer, call
 from tests.support.nginx import DeployedGunicorn, Nginx, parse_lines
-from tests.support.servers import LOOPBACK, RedisServer, free_port
+from tests.support.redis_servers import RedisServer
+from tests.support.servers import LOOPBACK, free_port
 
 READY_TIMEOUT = 0.5
 # A probe answers within its own bound plus slack for the rest of the request.

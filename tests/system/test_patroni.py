@@ -102,12 +102,8 @@ def fault_table() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    running = Cluster(tmp_path_factory.mktemp("patroni"), CONNECT_TIMEOUT)
-    try:
-        running.start()
+    with Cluster(tmp_path_factory.mktemp("patroni"), CONNECT_TIMEOUT) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @contextmanager
@@ -386,13 +382,8 @@ def cluster_on_hosts(
                 etcd_host=hosts.address("", name),
             )
 
-        running = Cluster(workdir, CONNECT_TIMEOUT, place, etcd)
-        try:
-            running.start()
-            with serve(running) as stack:
-                yield hosts, running, stack
-        finally:
-            running.stop()
+        with Cluster(workdir, CONNECT_TIMEOUT, place, etcd) as running, serve(running) as stack:
+            yield hosts, running, stack
 
 
 def test_the_primary_cut_off_the_network_loses_no_acknowledged_write(

@@ -171,7 +171,7 @@ def test_prometheus_sums_two_workers_of_known_traffic(
             series["metric"]["operation"]
             for series in prometheus.query("count by (operation) (petstore_http_requests_total)")
         }
-        document = openapi.build_document(config.from_environ(), views.described())
+        document = openapi.build_document(config.from_environ(), views.RESOURCES)
         operation_ids = [
             op["operationId"] for ops in document["paths"].values() for op in ops.values()
         ]

@@ -18,15 +18,14 @@ from petstore import config, db, keys, migrations
 from petstore.ratelimit import storages
 from tests.support.checks import Answer, call
 from tests.support.databases import empty_database
-from tests.support.servers import (
-    Gunicorn,
+from tests.support.redis_servers import (
     RedisReplica,
     RedisSentinel,
     RedisServer,
-    poll_until,
     redis_command,
     redis_fields,
 )
+from tests.support.servers import Gunicorn, poll_until
 
 SERVICE = "petstore"
 CLIENTS = 8

@@ -1,25 +1,27 @@
-"""Store orders: referenced by the spec, never described, so not invented here."""
+"""The store: orders are referenced by the spec, never described, so not invented here."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from flask import Blueprint, Response
+from flask import Response
 
 from petstore.errors import APIError
-from petstore.openapi import Operations, common_responses, error_response_object
+from petstore.openapi import Resource, common_responses, error_response_object
 
-bp = Blueprint("orders", __name__)
-OPERATIONS = Operations()
+bp = Resource(
+    "store",
+    __name__,
+    tag="store",
+    tag_description="Store orders (named by the specification only).",
+)
 
 
-@OPERATIONS.describe("/store/orders", "get")
-def describe_list_orders(config: Mapping[str, Any]) -> dict[str, Any]:
-    """listOrders in the OpenAPI document: why it answers 501."""
+def list_orders_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+    """listOrders' Operation Object: why it answers 501."""
     return {
         "operationId": "listOrders",
-        "tags": ["store"],
         "summary": "List store orders (not implemented)",
         "description": "The specification names this operation but shows none of its "
         "parameters or payloads, nor the fields of an order. Rather than invent them, "
@@ -33,7 +35,7 @@ def describe_list_orders(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-@bp.get("/store/orders")
+@bp.operation("/store/orders", "get", list_orders_operation)
 def list_orders() -> Response:
     """The spec names this operation but shows no parameters or payloads: 501."""
     raise APIError(
