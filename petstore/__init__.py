@@ -8,7 +8,7 @@ from typing import Any
 from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from petstore import auth, config, db, errors, metrics, pipeline, ratelimit, views
+from petstore import auth, config, db, errors, metrics, pipeline, ratelimit, usage, views
 from petstore.views import docs, health, root
 from petstore.views import metrics as metrics_view
 from petstore.web import API_PREFIX
@@ -55,4 +55,6 @@ def create_app(settings: Mapping[str, Any] | None = None) -> Flask:
     app.register_blueprint(docs.bp, url_prefix=API_PREFIX, descriptions=views.described())
     # Requests are counted by the operationId of their route (metrics.OTHER_ENDPOINTS elsewhere).
     metrics.init_app(app, views.operation_ids(app))
+    # Requests per key and hour, written in batches (petstore.usage).
+    usage.init_app(app)
     return app

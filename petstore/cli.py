@@ -15,6 +15,7 @@ import psycopg
 
 from petstore import auth, config, db, devserver, migrations, openapi, views
 from petstore.queries import bans, idempotency, keys
+from petstore.queries import usage as usage_sql
 from petstore.ratelimit.bans import clear_strikes
 from petstore.ratelimit.plans import PLANS
 
@@ -133,10 +134,18 @@ def db_status(directory: Path | None) -> None:
 
 @db_group.command("prune")
 def db_prune() -> None:
-    """Delete idempotency records older than 24 hours (run it daily, e.g. from cron)."""
-    with database() as conn:
+    """Delete idempotency records older than 24 hours, and usage counts older than
+    PETSTORE_USAGE_RETENTION_DAYS (run it daily, e.g. from cron)."""
+    settings = load_settings()
+    kept_from = datetime.now(UTC) - timedelta(days=settings["USAGE_RETENTION_DAYS"])
+    with database(settings) as conn:
         deleted = idempotency.delete_expired(conn)
+        hours = usage_sql.delete_usage_before(conn, kept_from)
     click.echo(f"deleted {deleted} expired idempotency records")
+    click.echo(
+        f"deleted {hours} usage rows older than {settings['USAGE_RETENTION_DAYS']} days "
+        "(PETSTORE_USAGE_RETENTION_DAYS)"
+    )
 
 
 @main.group("keys")
