@@ -91,6 +91,7 @@ def add_components(spec: APISpec, config: Mapping[str, Any]) -> None:
     spec.components.schema("Pet", schema=schemas.PetSchema)
     spec.components.schema("Error", schema=schemas.ErrorSchema)
     spec.components.schema("RateLimit", schema=schemas.RateLimitSchema)
+    spec.components.schema("Usage", schema=schemas.UsageSchema)
     spec.components.security_scheme(
         SECURITY_SCHEME,
         {

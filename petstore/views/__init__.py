@@ -14,7 +14,7 @@ from typing import Protocol
 from flask import Blueprint, Flask
 
 from petstore.openapi import Described, Operations
-from petstore.views import orders, pets, rate_limit
+from petstore.views import orders, pets, rate_limit, usage
 from petstore.web import API_PREFIX
 
 
@@ -26,7 +26,7 @@ class Resource(Protocol):
 
 
 # The resources under /v1, in the order of the OpenAPI document's paths.
-RESOURCES: tuple[Resource, ...] = (pets, rate_limit, orders)
+RESOURCES: tuple[Resource, ...] = (pets, rate_limit, usage, orders)
 
 # A variable segment of a path: `<pet_id>` in a route, `{petId}` in the document.
 VARIABLE = re.compile(r"<[^>]*>|\{[^}]*\}")

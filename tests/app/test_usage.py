@@ -8,12 +8,13 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
 from petstore import auth, db, usage
 from petstore.queries import usage as usage_sql
-from tests.support.checks import every_status
+from tests.support.checks import assert_error, every_status
 
 # The flusher of these apps runs rarely: the tests flush themselves.
 QUIET = {"USAGE_FLUSH_SECONDS": 3600.0}
@@ -173,3 +174,119 @@ def test_the_plan_metric_counts_by_plan_and_outcome_never_by_key(
     assert 'petstore_plan_requests_total{outcome="429",plan="free"} 0.0' in text
     lines = [line for line in text.splitlines() if line.startswith("petstore_plan_requests_total")]
     assert len(lines) == len(usage.PLAN_LABELS) * len(usage_sql.OUTCOMES)
+
+
+def test_get_usage_shows_the_callers_own_counts_by_day_and_hour(
+    make_app: Callable[..., Flask], conn: db.Connection
+) -> None:
+    app = make_app(**QUIET)
+    key, row = auth.issue_key(conn, "free", "usage", None, None)
+    _other, other = auth.issue_key(conn, "free", "usage", None, None)
+    now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    yesterday = now - timedelta(days=1)
+    usage_sql.add_usage(
+        conn,
+        [
+            (row["id"], yesterday, 5, 1, 0, 0),
+            (row["id"], now, 3, 0, 2, 1),
+            (other["id"], now, 100, 0, 0, 0),
+        ],
+    )
+    client = app.test_client()
+    headers = {"Authorization": f"Bearer {key}"}
+    day = f"{yesterday:%Y-%m-%d}"
+    answer = client.get(f"/v1/usage?from={day}", headers=headers)
+    assert answer.status_code == 200, answer.json
+    assert answer.json == {
+        "key_id": row["id"],
+        "granularity": "day",
+        "from": day,
+        "to": f"{now:%Y-%m-%d}",
+        "usage": [
+            {
+                "start": f"{yesterday:%Y-%m-%d}T00:00:00Z",
+                "requests": 6,
+                "outcomes": {"2xx": 5, "4xx": 1, "429": 0, "5xx": 0},
+            },
+            {
+                "start": f"{now:%Y-%m-%d}T00:00:00Z",
+                "requests": 6,
+                "outcomes": {"2xx": 3, "4xx": 0, "429": 2, "5xx": 1},
+            },
+        ],
+    }
+    assert "X-RateLimit-Remaining" in answer.headers
+    hourly = client.get("/v1/usage?granularity=hour", headers=headers).json
+    assert hourly["from"] == hourly["to"] == f"{now:%Y-%m-%d}"
+    assert [b["start"] for b in hourly["usage"]] == [f"{now:%Y-%m-%dT%H}:00:00Z"]
+    assert hourly["usage"][0]["requests"] == 6
+
+
+def test_get_usage_counts_itself_within_its_bucket(
+    make_app: Callable[..., Flask], conn: db.Connection
+) -> None:
+    app = make_app(USAGE_FLUSH_SECONDS=0.2)
+    key, row = auth.issue_key(conn, "free", "usage", None, None)
+    client = app.test_client()
+    headers = {"Authorization": f"Bearer {key}"}
+    assert client.get("/v1/usage", headers=headers).json["usage"] == []
+    deadline = time.monotonic() + 10
+    while not (usage_now := client.get("/v1/usage", headers=headers).json["usage"]):
+        assert time.monotonic() < deadline, "not in its bucket within 10 s"
+        time.sleep(0.1)
+    assert usage_now[0]["outcomes"]["2xx"] >= 1
+    assert row["id"] in usage_rows(conn)
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("from=2026-13-01", "Invalid value for: from."),
+        ("to=yesterday", "Invalid value for: to."),
+        ("granularity=week", "Invalid value for: granularity."),
+        ("key_id=1", "Invalid value for: key_id."),
+        (
+            "from=2026-11-26&to=2026-11-25",
+            "The range is reversed: from 2026-11-26 is after to 2026-11-25.",
+        ),
+        (
+            "from=2026-08-01&to=2026-11-26",
+            "The range is too long: at most 90 days with granularity day.",
+        ),
+        (
+            "from=2026-11-01&to=2026-11-08&granularity=hour",
+            "The range is too long: at most 7 days with granularity hour.",
+        ),
+    ],
+)
+def test_get_usage_refuses_bad_input(
+    client: FlaskClient, auth_headers: dict[str, str], query: str, message: str
+) -> None:
+    answer = client.get(f"/v1/usage?{query}", headers=auth_headers)
+    body = assert_error(answer, 400, "invalid_request")
+    assert body["message"] == message
+
+
+def test_get_usage_longest_ranges_are_accepted(
+    client: FlaskClient, auth_headers: dict[str, str]
+) -> None:
+    assert (
+        client.get("/v1/usage?from=2026-08-28&to=2026-11-25", headers=auth_headers).status_code
+        == 200
+    )
+    hours = "/v1/usage?from=2026-11-01&to=2026-11-07&granularity=hour"
+    assert client.get(hours, headers=auth_headers).status_code == 200
+
+
+def test_get_usage_needs_a_key_and_the_read_scope(
+    make_app: Callable[..., Flask], conn: db.Connection
+) -> None:
+    app = make_app(**QUIET)
+    client = app.test_client()
+    assert_error(client.get("/v1/usage"), 401, "unauthorized")
+    key, _row = auth.issue_key(conn, "free", "write only", None, None, None, ("write",))
+    assert_error(
+        client.get("/v1/usage", headers={"Authorization": f"Bearer {key}"}),
+        403,
+        "insufficient_scope",
+    )
