@@ -90,7 +90,7 @@ def daily_usage(
          where u.hour >= %(since)s
            and u.hour < %(until)s
            and (%(key_id)s::bigint is null or u.key_id = %(key_id)s)
-           and (%(plan)s::text is null or k.plan = %(plan)s)
+           and (%(plan)s::text is null or k.plan::text = %(plan)s)
          group by u.key_id, k.plan, k.per_day, 4
          order by 4, u.key_id
         """,
