@@ -64,7 +64,7 @@ def request_costs(requests: int, rounds: int) -> tuple[float, float]:
                 if round_number:  # the first round warms up
                     best[name] = min(best[name], time.thread_time() - started)
     finally:
-        usage.count_request = counting  # type: ignore[assignment]
+        usage.count_request = counting
         close_app(app)
         handler.close()
         os.close(handler.fd)
