@@ -295,3 +295,21 @@ def test_get_usage_needs_a_key_and_the_read_scope(
         403,
         "insufficient_scope",
     )
+
+
+def test_counting_costs_a_request_at_most_15_microseconds(make_app: Callable[..., Flask]) -> None:
+    """The per-request call alone (bench/usage_cost.py measures it with the whole request too)."""
+    from flask import Response, g
+
+    app = make_app(**QUIET)
+    response = Response(status=200)
+    calls, best = 20_000, float("inf")
+    with app.test_request_context("/v1/pets"):
+        g.caller = {"id": 7, "plan": "free"}
+        for _ in range(5):
+            started = time.thread_time()
+            for _ in range(calls):
+                usage.count_request(response)
+            best = min(best, time.thread_time() - started)
+    assert best / calls * 1e6 <= 15
+    assert usage.batch_rows(app.extensions[usage.EXTENSION].take())[0][2] == 5 * calls
