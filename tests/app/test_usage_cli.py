@@ -11,6 +11,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from click.testing import CliRunner, Result
+from psycopg import sql
 
 from petstore import auth, db
 from petstore.cli import main
@@ -129,3 +130,35 @@ def test_usage_refusals_have_the_usual_exit_statuses(
     refused = cli("usage", *args)
     assert refused.exit_code == status, refused.output
     assert message in refused.stderr
+
+
+def test_the_documented_grants_let_the_app_role_read_and_append_only(
+    cli: Cli, conn: db.Connection
+) -> None:
+    """docs/cli.rst's grants, for a role of this test's own: select and insert, nothing else."""
+    role = f"petstore_audit_{conn.info.backend_pid}"
+    assert cli("keys", "create", "--plan", "free").exit_code == 0
+
+    def as_role(statement: str) -> sql.Composed:
+        return sql.SQL(statement).format(sql.Identifier(role))
+
+    conn.execute(as_role("create role {}"))
+    try:
+        conn.execute(as_role("grant select, insert on audit_log to {}"))
+        conn.execute(as_role("revoke update, delete, truncate on audit_log from {}"))
+        with conn.transaction():
+            conn.execute(as_role("set local role {}"))
+            usage_sql.insert_audit(conn, "keys create", None, "app", "as the app's role")
+            assert len(usage_sql.list_audit(conn)) == 2
+        for statement in (
+            "update audit_log set reason = null",
+            "delete from audit_log",
+            "truncate audit_log",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege), conn.transaction():
+                conn.execute(as_role("set local role {}"))
+                conn.execute(statement)
+    finally:
+        conn.execute(as_role("drop owned by {}"))
+        conn.execute(as_role("drop role {}"))
+    assert conn.execute("select count(*) as n from audit_log").fetchone() == {"n": 2}
