@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from flask import Flask
+from flask import Flask, Response
 from werkzeug.test import EnvironBuilder
 
 from bench.flask_floor import create_flask_floor
-from petstore import create_app, logs, schemas, web
+from petstore import create_app, logs, schemas, usage, web
 
 PATH = "/v1/pets?limit=20"
 # Each row: how its app is made (the service's settings, or the floor), and whether it logs.
@@ -39,6 +39,8 @@ class Variant:
     storage: str  # "memory" or "redis"
     settings: tuple[tuple[str, Any], ...] = ()
     request_log: bool = True
+    # Off: petstore.usage.count_request replaced by a no-op while this app answers.
+    usage_counting: bool = True
 
 
 VARIANTS = (
@@ -48,6 +50,7 @@ VARIANTS = (
     Variant("service, redis://", False, "redis"),
     Variant("service without the limiter", False, "memory", (("RATELIMIT_ENABLED", False),)),
     Variant("service, memory://, request log off", False, "memory", request_log=False),
+    Variant("service, memory://, usage counting off", False, "memory", usage_counting=False),
     Variant(
         "service, memory://, limits' MemoryStorage",
         False,
@@ -67,6 +70,7 @@ COSTS: tuple[tuple[str, str, str, int | None], ...] = (
     ("limiter, memory://", "service, memory://", "service without the limiter", 80),
     ("limiter, redis://", "service, redis://", "service without the limiter", 200),
     ("request log", "service, memory://", "service, memory://, request log off", None),
+    ("usage counting", "service, memory://", "service, memory://, usage counting off", 15),
     ("ours outside SQL and framework, memory://", "service, memory://", VARIANTS[0].name, 150),
     ("ours outside SQL and framework, redis://", "service, redis://", VARIANTS[1].name, 150),
 )
@@ -128,12 +132,17 @@ def request_log_to_null() -> logs.StdoutHandler:
     return handler
 
 
+def no_counting(response: Response) -> None:
+    """petstore.usage.count_request left out (the variant that measures its cost)."""
+
+
 def measure_budget(
     database_url: str, redis_url: str, key: str, requests: int, rounds: int
 ) -> tuple[Budget, dict[str, float]]:
     """CPU and wall µs per request of each variant (best round), and validation µs per query."""
     handler = request_log_to_null()
     root = logging.getLogger()
+    counting = usage.count_request
     apps = {variant: make_app(variant, database_url, redis_url) for variant in VARIANTS}
     timings: dict[str, list[tuple[float, float]]] = {variant.name: [] for variant in VARIANTS}
     try:
@@ -141,6 +150,7 @@ def measure_budget(
         for round_number in range(rounds + 1):
             for variant, call in calls.items():
                 root.setLevel(logging.INFO if variant.request_log else logging.WARNING)
+                usage.count_request = counting if variant.usage_counting else no_counting
                 status = call()
                 assert status == 200, f"{variant.name}: {status}"
                 cpu, wall = time.thread_time(), time.perf_counter()
@@ -150,6 +160,7 @@ def measure_budget(
                 if round_number:  # the first round warms up: pool, prepared statements
                     timings[variant.name].append((cpu, wall))
     finally:
+        usage.count_request = counting
         for app in apps.values():
             close_app(app)
         root.setLevel(logging.WARNING)

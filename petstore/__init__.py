@@ -8,7 +8,7 @@ from typing import Any
 from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from petstore import auth, config, db, errors, metrics, pipeline, ratelimit, views
+from petstore import auth, config, db, errors, metrics, pipeline, ratelimit, usage, views
 from petstore.views import docs, health, root
 from petstore.views import metrics as metrics_view
 from petstore.web import API_PREFIX
@@ -59,4 +59,6 @@ def create_app(
     app.register_blueprint(docs.bp, url_prefix=API_PREFIX, resources=views.RESOURCES)
     # Requests are counted by the operationId of their route (metrics.OTHER_ENDPOINTS elsewhere).
     metrics.init_app(app, views.operation_ids(app))
+    # Requests per key and hour, written in batches (petstore.usage).
+    usage.init_app(app)
     return app

@@ -1,25 +1,32 @@
-"""The `petstore` command: db, keys, bans, openapi and serve (make run's server: petstore/devserver.py)."""
+"""The `petstore` command: db, keys, bans, usage, audit, openapi and serve (make run's server:
+petstore/devserver.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
+import json
 import re
 import sys
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from pathlib import Path
 from typing import Any
 
 import click
 import psycopg
 
-from petstore import config, db, devserver, keys, migrations, openapi, views
+from petstore import audit, config, db, devserver, keys, migrations, openapi, views
 from petstore.queries import bans, idempotency
 from petstore.queries import keys as key_sql
+from petstore.queries import usage as usage_sql
 from petstore.ratelimit.bans import clear_strikes
-from petstore.ratelimit.plans import PLANS
+from petstore.ratelimit.plans import PLAN_LIMITS, PLANS
 
 FROM_MAKE_RUN = "petstore.cli.from_make_run"
+
+REASON = click.option("--reason", help="Why: kept in the audit trail (petstore audit).")
 
 
 def load_settings() -> dict[str, Any]:
@@ -134,10 +141,18 @@ def db_status(directory: Path | None) -> None:
 
 @db_group.command("prune")
 def db_prune() -> None:
-    """Delete idempotency records older than 24 hours (run it daily, e.g. from cron)."""
-    with database() as conn:
+    """Delete idempotency records older than 24 hours, and usage counts older than
+    PETSTORE_USAGE_RETENTION_DAYS (run it daily, e.g. from cron)."""
+    settings = load_settings()
+    kept_from = datetime.now(UTC) - timedelta(days=settings["USAGE_RETENTION_DAYS"])
+    with database(settings) as conn:
         deleted = idempotency.delete_expired(conn)
+        hours = usage_sql.delete_usage_before(conn, kept_from)
     click.echo(f"deleted {deleted} expired idempotency records")
+    click.echo(
+        f"deleted {hours} usage rows older than {settings['USAGE_RETENTION_DAYS']} days "
+        "(PETSTORE_USAGE_RETENTION_DAYS)"
+    )
 
 
 @main.group("keys")
@@ -239,6 +254,7 @@ def parse_scopes(given: tuple[str, ...]) -> tuple[str, ...]:
     multiple=True,
     help="read (list and get) or write (create); repeatable. Default: read and write.",
 )
+@REASON
 def keys_create(
     plan: str,
     label: str,
@@ -247,14 +263,16 @@ def keys_create(
     expires_in: str | None,
     expires_at: str | None,
     scopes: tuple[str, ...],
+    reason: str | None,
 ) -> None:
     """Create a key; it is printed once, alone on the last line, and stored only hashed."""
     if plan == "enterprise" and (per_minute is None or per_day is None):
         raise click.UsageError("an enterprise key needs both --per-minute and --per-day")
     expiry = parse_expiry(expires_in, expires_at)
     wanted = parse_scopes(scopes)
-    with database() as conn:
+    with database() as conn, conn.transaction():
         key, row = keys.issue_key(conn, plan, label, per_minute, per_day, expiry, wanted)
+        audit.record(conn, "keys create", row["id"], reason)
     expiring = f", expires {row['expires_at']:%Y-%m-%d %H:%M:%S%z}" if row["expires_at"] else ""
     click.echo(
         f"created key {row['id']} ({row['prefix']}..., plan {row['plan']}, "
@@ -289,14 +307,16 @@ def keys_list() -> None:
 
 @keys_group.command("revoke")
 @click.argument("key_text", metavar="KEY_ID")
-def keys_revoke(key_text: str) -> None:
+@REASON
+def keys_revoke(key_text: str, reason: str | None) -> None:
     """Revoke a key now; its next request gets 401."""
     key_id = parse_key_id(key_text)
-    with database() as conn:
+    with database() as conn, conn.transaction():
         if not key_sql.revoke_key(conn, key_id):
             if key_sql.find_key(conn, key_id) is None:
                 raise NoSuchKey(f"no key with id {key_id}: nothing revoked")
             raise NothingToDo(f"key {key_id} is revoked already: nothing to do")
+        audit.record(conn, "keys revoke", key_id, reason)
     click.echo(f"revoked key {key_id}")
 
 
@@ -308,14 +328,16 @@ def keys_revoke(key_text: str) -> None:
     show_default=True,
     help="How long the old secret keeps working: 24h, 7d, 30m.",
 )
-def keys_rotate(key_text: str, grace: str) -> None:
+@REASON
+def keys_rotate(key_text: str, grace: str, reason: str | None) -> None:
     """A new secret for the same key (same id, plan, limits, budgets and bans); printed once."""
     key_id = parse_key_id(key_text)
     grace_seconds = parse_duration("--grace", grace)
-    with database() as conn:
+    with database() as conn, conn.transaction():
         rotated = keys.rotate_key(conn, key_id, grace_seconds)
-    if rotated is None:
-        raise NoSuchKey(f"no live key with id {key_id} (unknown or revoked): nothing rotated")
+        if rotated is None:
+            raise NoSuchKey(f"no live key with id {key_id} (unknown or revoked): nothing rotated")
+        audit.record(conn, "keys rotate", key_id, reason)
     key, row = rotated
     click.echo(
         f"rotated key {row['id']} ({row['prefix']}..., plan {row['plan']}); the old secret works "
@@ -350,7 +372,8 @@ def bans_list() -> None:
 
 @bans_group.command("lift")
 @click.argument("key_text", metavar="KEY_ID")
-def bans_lift(key_text: str) -> None:
+@REASON
+def bans_lift(key_text: str, reason: str | None) -> None:
     """End the key's active ban now, and forgive its strikes: it starts again from a full threshold.
 
     The key's row is stamped (strikes_forgiven_at): strikes counted before the stamp no longer
@@ -364,6 +387,7 @@ def bans_lift(key_text: str) -> None:
         if stamps is None:
             raise NoSuchKey(f"no key with id {key_id}: nothing lifted")
         lifted = bans.lift_bans(conn, key_id)
+        audit.record(conn, "bans lift", key_id, reason)
     in_memory = settings["RATELIMIT_STORAGE_URI"].startswith("memory://")
     strikes = None
     if not in_memory:
@@ -427,3 +451,149 @@ def openapi_document() -> None:
     except config.ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(openapi.to_json(openapi.build_document(settings, views.RESOURCES)), nl=False)
+
+
+FORMATS = click.Choice(["table", "csv", "json"])
+
+
+def parse_day(option: str, text: str | None, default: date) -> date:
+    """A --since/--until UTC date (YYYY-MM-DD); `default` when not given; BadInput otherwise."""
+    if text is None:
+        return default
+    try:
+        return date.fromisoformat(text.strip())
+    except ValueError:
+        raise BadInput(f"{option} {text!r}: expected a date such as 2026-11-26") from None
+
+
+def emit(rows: list[dict[str, Any]], columns: dict[str, str], output: str) -> None:
+    """Rows as an aligned table, CSV or JSON (a list of objects); `columns`: key -> heading."""
+    if output == "json":
+        click.echo(json.dumps(rows, default=str, indent=2))
+        return
+    if output == "csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows([["" if row[c] is None else row[c] for c in columns] for row in rows])
+        click.echo(buffer.getvalue(), nl=False)
+        return
+    cells = [[("-" if row[c] is None else str(row[c])) for c in columns] for row in rows]
+    widths = [
+        max([len(heading), *(len(line[i]) for line in cells)])
+        for i, heading in enumerate(columns.values())
+    ]
+    for line in [list(columns.values()), *cells]:
+        click.echo(
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        )
+
+
+USAGE_COLUMNS = {
+    "key_id": "key",
+    "plan": "plan",
+    "day": "day",
+    "requests": "requests",
+    "2xx": "2xx",
+    "4xx": "4xx",
+    "429": "429",
+    "5xx": "5xx",
+    "per_day": "limit/day",
+    "used_percent": "used %",
+}
+
+
+def usage_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A key's day as `petstore usage` shows it: the share of its daily limit used.
+
+    Every answered request spends the daily budget, a 429 does not (it is refused for want of it).
+    """
+    per_day = row["per_day"] or PLAN_LIMITS.get(row["plan"], (0, 0))[1]
+    spent = row["requests_2xx"] + row["requests_4xx"] + row["requests_5xx"]
+    return {
+        "key_id": row["key_id"],
+        "plan": row["plan"],
+        "day": row["day"].isoformat(),
+        "requests": spent + row["requests_429"],
+        "2xx": row["requests_2xx"],
+        "4xx": row["requests_4xx"],
+        "429": row["requests_429"],
+        "5xx": row["requests_5xx"],
+        "per_day": per_day or None,
+        "used_percent": round(100 * spent / per_day, 1) if per_day else None,
+    }
+
+
+@main.command("usage")
+@click.option("--key", "key_text", metavar="ID", help="Only this key.")
+@click.option("--plan", type=click.Choice(PLANS), help="Only the keys of this plan.")
+@click.option("--since", help="The first UTC day (YYYY-MM-DD), included; default: 6 days ago.")
+@click.option("--until", help="The last UTC day (YYYY-MM-DD), included; default: today.")
+@click.option(
+    "--top",
+    type=click.IntRange(min=1),
+    help="Only the N keys closest to their daily limit: each one's busiest day.",
+)
+@click.option("--format", "output", type=FORMATS, default="table", show_default=True)
+def usage_command(
+    key_text: str | None,
+    plan: str | None,
+    since: str | None,
+    until: str | None,
+    top: int | None,
+    output: str,
+) -> None:
+    """Requests per key and UTC day, by outcome, with the share of each key's daily limit used."""
+    if key_text is not None and plan is not None:
+        raise BadInput("give --key or --plan, not both")
+    key_id = None if key_text is None else parse_key_id(key_text)
+    last = parse_day("--until", until, datetime.now(UTC).date())
+    first = parse_day("--since", since, last - timedelta(days=6))
+    if last < first:
+        raise BadInput(f"--since {first} is after --until {last}")
+    with database() as conn:
+        if key_id is not None and key_sql.find_key(conn, key_id) is None:
+            raise NoSuchKey(f"no key with id {key_id}")
+        rows = usage_sql.daily_usage(
+            conn,
+            datetime.combine(first, time(), UTC),
+            datetime.combine(last + timedelta(days=1), time(), UTC),
+            key_id,
+            plan,
+        )
+    shown = [usage_row(row) for row in rows]
+    if top is not None:
+        busiest: dict[int, dict[str, Any]] = {}
+        for row in shown:
+            best = busiest.get(row["key_id"])
+            if best is None or (row["used_percent"] or 0) > (best["used_percent"] or 0):
+                busiest[row["key_id"]] = row
+        shown = sorted(busiest.values(), key=lambda row: -(row["used_percent"] or 0))[:top]
+    emit(shown, USAGE_COLUMNS, output)
+
+
+AUDIT_COLUMNS = {
+    "at": "at",
+    "command": "command",
+    "key_id": "key",
+    "os_user": "user",
+    "reason": "reason",
+}
+
+
+@main.command("audit")
+@click.option("--key", "key_text", metavar="ID", help="Only the actions on this key.")
+@click.option("--since", help="From this UTC day (YYYY-MM-DD) on.")
+@click.option("--format", "output", type=FORMATS, default="table", show_default=True)
+def audit_command(key_text: str | None, since: str | None, output: str) -> None:
+    """The operator actions of the `petstore` command, oldest first: when, what, key, who, why."""
+    key_id = None if key_text is None else parse_key_id(key_text)
+    first = None if since is None else parse_day("--since", since, date.today())
+    with database() as conn:
+        rows = usage_sql.list_audit(
+            conn, key_id, None if first is None else datetime.combine(first, time(), UTC)
+        )
+    shown = [{**row, "at": f"{row['at'].astimezone(UTC):%Y-%m-%d %H:%M:%S%z}"} for row in rows]
+    for row in shown:
+        row.pop("id")
+    emit(shown, AUDIT_COLUMNS, output)

@@ -223,6 +223,10 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     # How long a worker uses a key's row before asking the database again (petstore.keycache).
     "PETSTORE_KEY_CACHE_SECONDS": ("KEY_CACHE_SECONDS", _float(0), 1.0),
     "PETSTORE_KEY_CACHE_SIZE": ("KEY_CACHE_SIZE", _int(1), 10_000),
+    # Requests per key and hour (petstore.usage): kept this many days (`petstore db prune`),
+    # written by each worker every this many seconds.
+    "PETSTORE_USAGE_RETENTION_DAYS": ("USAGE_RETENTION_DAYS", _int(1), 400),
+    "PETSTORE_USAGE_FLUSH_SECONDS": ("USAGE_FLUSH_SECONDS", _float(0.05), 5.0),
     "PETSTORE_BAN_THRESHOLD": ("BAN_THRESHOLD", _int(1), 10),
     "PETSTORE_BAN_SECONDS": ("BAN_SECONDS", _int(1), 900),
     # Escalation: a ban that starts less than BAN_REPEAT_SECONDS after the key's last one ended

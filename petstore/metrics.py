@@ -151,6 +151,7 @@ class Metrics:
 
     requests: Counter
     latency: Histogram
+    plan_requests: Counter
     too_many_requests: Counter
     bans_created: Counter
     idempotent_replays: Counter
@@ -193,6 +194,7 @@ class Metrics:
         yield from (
             self.requests,
             self.latency,
+            self.plan_requests,
             self.too_many_requests,
             self.bans_created,
             self.idempotent_replays,
@@ -239,9 +241,18 @@ def build(operation_ids: Mapping[str, str]) -> Metrics:
         ["kind"],
         registry=None,
     )
+    plan_requests = Counter(
+        "petstore_plan_requests",
+        "API requests by the plan of their key (none: without a valid key) and outcome: 2xx "
+        "(any status below 400), 4xx (but 429), 429, 5xx. Written with the usage counts "
+        "(petstore.usage), every PETSTORE_USAGE_FLUSH_SECONDS.",
+        ["plan", "outcome"],
+        registry=None,
+    )
     metrics = Metrics(
         requests=requests,
         latency=latency,
+        plan_requests=plan_requests,
         too_many_requests=too_many_requests,
         bans_created=Counter(
             "petstore_bans_created", "Keys banned for calling on after 429s.", registry=None
@@ -336,6 +347,14 @@ def observe_request(response: Response, limited_code: str | None = None) -> Resp
         code = limited_code if limited_code in TOO_MANY_REQUESTS_CODES else "other"
         metrics.too_many_requests.labels(code=code).inc()
     return response
+
+
+def requests_by_plan(totals: Mapping[tuple[str, str], int], app: Flask | None = None) -> None:
+    """Add requests by (plan, outcome), labels from petstore.usage's fixed sets (a batch of
+    its counts, or zeros to start the series)."""
+    metrics: Metrics = (app or current_app).extensions[EXTENSION]
+    for (plan, outcome), requests in totals.items():
+        metrics.plan_requests.labels(plan=plan, outcome=outcome).inc(requests)
 
 
 def idempotent_replayed() -> None:

@@ -15,7 +15,8 @@ the service's own around a view (ProxyFix, the error handlers and db's teardown 
 - view: parses with a schema, runs its queries (in the request's one transaction).
 - headers (budgets): X-RateLimit-* on every counted /v1 answer, errors included.
 - log (logs): the request id header and one JSON line; metrics (metrics): the request tallied
-  by operation and status, with its latency.
+  by operation and status, with its latency; usage (usage): a /v1 request counted for its key
+  (or the aggregate of requests without a valid key) by hour and outcome, written in batches.
 
 A view marked auth.uncounted (GET /v1/rate_limit) skips counting, bans and scopes for a
 valid key; without one it is counted and refused like any other path.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from flask import Flask, Response, g, request
 
-from petstore import auth, logs, metrics, web
+from petstore import auth, logs, metrics, usage, web
 from petstore.errors import DATABASE_UNAVAILABLE
 from petstore.ratelimit import bans, budgets
 
@@ -67,6 +68,7 @@ def after_view(response: Response) -> Response:
     budgets.set_headers(response, g.get("rate_limit_headers"))
     logs.finish_request(response)
     metrics.observe_request(response, g.get("limited_code"))
+    usage.count_request(response)
     return response
 
 

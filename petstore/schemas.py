@@ -280,6 +280,105 @@ class RateLimitSchema(Schema):
     strikes = fields.Nested(StrikesSchema, required=True)
 
 
+GRANULARITIES = ("day", "hour")
+
+
+class UsageQuery(Schema):
+    """The query string of GET /usage."""
+
+    class Meta:
+        unknown = RAISE
+
+    since = fields.Date(
+        data_key="from",
+        metadata={
+            "description": "The first UTC day, included (default: today).",
+            "example": "2026-11-01",
+        },
+    )
+    until = fields.Date(
+        data_key="to",
+        metadata={
+            "description": "The last UTC day, included (default: today).",
+            "example": "2026-11-26",
+        },
+    )
+    granularity = fields.String(
+        load_default="day",
+        validate=validate.OneOf(GRANULARITIES),
+        metadata={"description": "One bucket per UTC day or per UTC hour."},
+    )
+
+
+class OutcomesSchema(Schema):
+    """A bucket's requests by outcome."""
+
+    ok = fields.Integer(
+        required=True,
+        data_key="2xx",
+        metadata={"description": "Answered with a status below 400.", "example": 120},
+    )
+    client_error = fields.Integer(
+        required=True,
+        data_key="4xx",
+        metadata={"description": "Refused with a 4xx other than 429.", "example": 2},
+    )
+    too_many = fields.Integer(
+        required=True,
+        data_key="429",
+        metadata={"description": "Refused with 429 (rate limited or banned).", "example": 8},
+    )
+    server_error = fields.Integer(
+        required=True, data_key="5xx", metadata={"description": "Failed with a 5xx.", "example": 0}
+    )
+
+
+class UsageBucketSchema(Schema):
+    """One period with requests."""
+
+    start = fields.String(
+        required=True,
+        metadata={
+            "format": "date-time",
+            "description": "When the period starts (UTC).",
+            "example": "2026-11-26T00:00:00Z",
+        },
+    )
+    requests = fields.Integer(
+        required=True,
+        metadata={
+            "description": "Every request of the period: the sum of `outcomes`.",
+            "example": 130,
+        },
+    )
+    outcomes = fields.Nested(OutcomesSchema, required=True)
+
+
+class UsageSchema(Schema):
+    """The calling key's own requests: GET /usage."""
+
+    key_id = fields.Integer(
+        required=True,
+        metadata={"format": "int64", "description": "The calling key's id.", "example": 7},
+    )
+    granularity = fields.String(
+        required=True, metadata={"enum": list(GRANULARITIES), "example": "day"}
+    )
+    since = fields.String(
+        required=True, data_key="from", metadata={"format": "date", "example": "2026-11-01"}
+    )
+    until = fields.String(
+        required=True, data_key="to", metadata={"format": "date", "example": "2026-11-26"}
+    )
+    usage = fields.List(
+        fields.Nested(UsageBucketSchema),
+        required=True,
+        metadata={"description": "One bucket per period that has requests, oldest first."},
+    )
+
+
 new_pet = NewPetSchema()
 list_pets_query = ListPetsQuery()
 rate_limit = RateLimitSchema()
+usage_query = UsageQuery()
+usage = UsageSchema()

@@ -15,10 +15,10 @@ from flask import Flask
 
 from petstore import openapi
 from petstore.openapi import Operation, Resource
-from petstore.views import pets, rate_limit, store
+from petstore.views import pets, rate_limit, store, usage
 
 # The resources under /v1, in the order of the OpenAPI document's tags and paths.
-RESOURCES: tuple[Resource, ...] = (pets.bp, store.bp, rate_limit.bp)
+RESOURCES: tuple[Resource, ...] = (pets.bp, store.bp, rate_limit.bp, usage.bp)
 
 
 def operations() -> list[Operation]:

@@ -121,6 +121,8 @@ TABLE: dict[str, tuple[Any, str, Any, str | None]] = {
     "PETSTORE_ANONYMOUS_CLIENTS": (10_000, "500", 500, "0"),
     "PETSTORE_KEY_CACHE_SECONDS": (1.0, "0", 0.0, "-1"),
     "PETSTORE_KEY_CACHE_SIZE": (10_000, "100", 100, "0"),
+    "PETSTORE_USAGE_RETENTION_DAYS": (400, "30", 30, "0"),
+    "PETSTORE_USAGE_FLUSH_SECONDS": (5.0, "0.5", 0.5, "0"),
     "PETSTORE_BAN_THRESHOLD": (10, "3", 3, "0"),
     "PETSTORE_BAN_SECONDS": (900, "60", 60, "ten"),
     "PETSTORE_BAN_ESCALATION": (2, "3", 3, "0"),

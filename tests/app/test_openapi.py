@@ -30,6 +30,7 @@ OPERATIONS = {
     ("/pets/{petId}", "get"): "getPet",
     ("/store/orders", "get"): "listOrders",
     ("/rate_limit", "get"): "getRateLimit",
+    ("/usage", "get"): "getUsage",
 }
 # Every status each operation really answers (see petstore.errors, petstore.ratelimit, auth and the views).
 STATUSES = {
@@ -38,6 +39,7 @@ STATUSES = {
     "getPet": {"200", "401", "404", "410", "429", "500", "503"},
     "listOrders": {"401", "429", "500", "501", "503"},
     "getRateLimit": {"200", "401", "429", "500", "503"},
+    "getUsage": {"200", "400", "401", "403", "429", "500", "503"},
 }
 
 

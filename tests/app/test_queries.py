@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import pkgutil
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,12 +28,14 @@ from petstore.queries import bans as ban_sql
 from petstore.queries import idempotency as idempotency_sql
 from petstore.queries import keys as key_sql
 from petstore.queries import pets as pet_sql
+from petstore.queries import usage as usage_sql
 
 MODULES = {
     "pet_sql": pet_sql,
     "key_sql": key_sql,
     "ban_sql": ban_sql,
     "idempotency_sql": idempotency_sql,
+    "usage_sql": usage_sql,
 }
 
 
@@ -163,6 +166,26 @@ def test_idempotency_queries_commit_nothing(tx: db.Connection, conn: db.Connecti
 
     tx.rollback()
     assert conn.execute("select count(*) as n from idempotency_requests").fetchone() == {"n": 0}
+
+
+def test_usage_queries_commit_nothing(tx: db.Connection, conn: db.Connection) -> None:
+    key = new_key(tx)
+    hour = datetime(2026, 11, 25, 9, tzinfo=UTC)
+    still_open(tx, usage_sql.add_usage, tx, [(key["id"], hour, 3, 1, 0, 0)])
+    still_open(tx, usage_sql.add_usage, tx, [(key["id"], hour, 2, 0, 1, 1)])
+    [day] = still_open(
+        tx, usage_sql.usage_of_key, tx, key["id"], hour.replace(hour=0), hour.replace(day=26), "day"
+    )
+    assert (day["requests_2xx"], day["requests_4xx"], day["requests_429"]) == (5, 1, 1)
+    [daily] = still_open(tx, usage_sql.daily_usage, tx, hour.replace(hour=0), hour.replace(day=26))
+    assert daily["key_id"] == key["id"] and daily["requests_5xx"] == 1
+    still_open(tx, usage_sql.insert_audit, tx, "keys create", key["id"], "ops", None)
+    assert [row["command"] for row in still_open(tx, usage_sql.list_audit, tx)] == ["keys create"]
+    assert still_open(tx, usage_sql.delete_usage_before, tx, hour.replace(day=26)) == 1
+
+    tx.rollback()
+    assert conn.execute("select count(*) as n from key_usage").fetchone() == {"n": 0}
+    assert conn.execute("select count(*) as n from audit_log").fetchone() == {"n": 0}
 
 
 def test_a_stray_commit_fails_the_check(tx: db.Connection, conn: db.Connection) -> None:

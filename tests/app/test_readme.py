@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -16,8 +17,9 @@ import yaml
 from click.testing import CliRunner
 from flask.testing import FlaskClient
 
-from petstore import config
+from petstore import config, db
 from petstore.cli import main
+from petstore.queries import usage as usage_sql
 from petstore.ratelimit.limiter import STORAGE_RECHECK_SECONDS
 from tests.support.checks import pass_key_cache_bound
 
@@ -332,3 +334,24 @@ def test_every_code_block_names_its_language() -> None:
     unnamed = re.findall(r"^\s*\.\. (?:code-block|code|sourcecode)::\s*$", all_docs(), re.M)
     assert bare == []
     assert unnamed == []
+
+
+def test_the_usage_examples_are_what_the_service_answers(
+    client: FlaskClient, api_key: str, conn: db.Connection
+) -> None:
+    """docs/usage.rst's GET /v1/usage, replayed for make run's key (id 1) with the counts it shows."""
+    text = (DOCS / "usage.rst").read_text(encoding="utf-8")
+    part = text[text.index("\nUsage per key\n") : text.index("Counting costs a request")]
+    hour = datetime(2026, 11, 25, 14, tzinfo=UTC)
+    usage_sql.add_usage(
+        conn,
+        [
+            (1, hour, 120, 2, 8, 0),
+            (1, hour.replace(day=26, hour=9), 29, 0, 0, 1),
+            (1, hour.replace(day=26, hour=17), 11, 0, 0, 0),
+        ],
+    )
+    steps = list(session(part))
+    assert len(steps) == 4
+    for command, shown in steps:
+        assert comparable(replay(client, api_key, command)) == comparable(shown), command

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import importlib.util
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -168,3 +170,36 @@ def test_rate_limit_and_scopes_with_the_generated_client(
         assert standing.limits["day"].limit == 10_000
         assert standing.ban is None
         assert (standing.strikes.count, standing.strikes.threshold) == (0, 10)
+
+
+def test_usage_with_the_generated_client(
+    client_package: ModuleType, server: Gunicorn, issue_key: Callable[..., str]
+) -> None:
+    """getUsage: the key's own requests, in their bucket within 10 s (the workers' batches)."""
+    get_usage = importlib.import_module(f"{PACKAGE}.api.usage.get_usage")
+    list_pets = importlib.import_module(f"{PACKAGE}.api.pets.list_pets")
+    models = importlib.import_module(f"{PACKAGE}.models")
+    client = client_package.AuthenticatedClient(
+        base_url=f"{server.url}/v1", token=issue_key("free"), raise_on_unexpected_status=True
+    )
+    with client:
+        assert list_pets.sync(client=client) == []
+        deadline = time.monotonic() + 10
+        while True:
+            usage = get_usage.sync(client=client, granularity=models.GetUsageGranularity.HOUR)
+            assert isinstance(usage, models.Usage)
+            if usage.usage:
+                break
+            assert time.monotonic() < deadline, "the request is not in its bucket after 10 s"
+            time.sleep(0.2)
+        assert usage.granularity == "hour"
+        [bucket] = usage.usage
+        assert bucket.to_dict()["outcomes"]["2xx"] >= 1
+        assert bucket.requests == sum(bucket.to_dict()["outcomes"].values())
+
+        refused = get_usage.sync_detailed(
+            client=client, from_=datetime.date(2026, 11, 26), to=datetime.date(2026, 11, 25)
+        )
+        assert refused.status_code == 400
+        assert isinstance(refused.parsed, models.Error)
+        assert refused.parsed.code == "invalid_request"
