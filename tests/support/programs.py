@@ -36,12 +36,15 @@ INSTALLERS = {
     "haproxy": ".ci/install-haproxy",
     "libfaketime.so.1": ".ci/install-faketime",
 }
-# Where Debian installs libfaketime (a library to preload, not a program).
-FAKETIME_LIBRARIES = "/usr/lib/*/faketime/libfaketime.so.1"
+# Libraries a test preloads, not programs: where Debian installs each.
+LIBRARIES = {"libfaketime.so.1": "/usr/lib/*/faketime/libfaketime.so.1"}
 
 
 def find(name: str) -> str | None:
-    """The path of program `name`: on PATH, else in Debian's system directories; None if absent."""
+    """The path of program `name`: on PATH, else in Debian's system directories (a library of
+    LIBRARIES where Debian puts it); None if absent."""
+    if name in LIBRARIES:
+        return next(iter(sorted(glob.glob(LIBRARIES[name]))), None)
     return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SYSTEM_DIRS))
 
 
@@ -72,7 +75,4 @@ def program(name: str) -> str:
 
 def faketime_library() -> str:
     """The path of Debian's libfaketime.so.1; skips the calling test when it is not installed."""
-    found = sorted(glob.glob(FAKETIME_LIBRARIES))
-    if not found:
-        pytest.skip(missing_line("libfaketime.so.1"))
-    return found[0]
+    return program("libfaketime.so.1")
