@@ -175,6 +175,9 @@ def upgrade(
             )
         conn.execute(sql.SQL("set statement_timeout = {}").format(limits.statement_timeout_ms))
         conn.execute(sql.SQL("set lock_timeout = {}").format(limits.lock_timeout_ms))
+        # An index built while the service serves takes one core, not PostgreSQL's default of
+        # a leader and two workers, which on a small server leave the requests none.
+        conn.execute("set max_parallel_maintenance_workers = 0")
         for migration in pending(conn, directory):
             started = time.monotonic()
             apply_with_retries(conn, migration, limits)
@@ -189,6 +192,7 @@ def upgrade(
     finally:
         conn.execute("reset statement_timeout")
         conn.execute("reset lock_timeout")
+        conn.execute("reset max_parallel_maintenance_workers")
         conn.execute("select pg_advisory_unlock(%s)", [MIGRATION_LOCK])
     return applied_now
 
