@@ -10,6 +10,12 @@ and end. Two changes to the `limits` storages, found by profiling the request pa
   trip per request whatever the number of limits (on Redis Cluster, one per window: the
   windows' keys may live in different slots). In memory, one lock per window and none of
   limits' error-wrapping layers around each of incr, get and get_expiry.
+- Redis: each thread sends the scripts on a connection of its own, made on first use in the
+  process that uses it. redis-py's client takes a connection from its pool and gives it back
+  around every command, through its retry and observability layers, which cost more CPU than
+  the command itself (bench/results/2026-11-27-quiet-create.md). A failed call closes the
+  connection and raises, as the client would: the limiter then counts in its in-memory
+  fallback until Redis answers again; the next call connects anew.
 - Memory: limits' MemoryStorage starts a timer thread whenever its last one has finished,
   which under steady traffic means a new thread every few requests. Expired windows are
   already dropped when read; this one also sweeps the rest once a minute, in line.
@@ -17,6 +23,8 @@ and end. Two changes to the `limits` storages, found by profiling the request pa
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,6 +35,9 @@ from limits.storage import (
     RedisSentinelStorage,
     RedisStorage,
 )
+from redis.commands.core import Script
+from redis.connection import AbstractConnection
+from redis.exceptions import NoScriptError
 
 # For each window (KEYS[i], started with ARGV[2i] seconds when new, allowing ARGV[2i+1]): INCRBY
 # ARGV[1], set the expiry of a new window, note the count and the window's time to live; stop
@@ -96,6 +107,14 @@ def storage_options(config: Mapping[str, Any]) -> dict[str, Any]:
     return {}
 
 
+class OwnConnection(threading.local):
+    """A thread's own connection to Redis, and the process that made it (a forked worker makes
+    its own rather than share its parent's socket)."""
+
+    conn: AbstractConnection | None = None
+    pid = 0
+
+
 class CountingRedisStorage(RedisStorage):
     """redis:// whose increment also returns the window's end, in the same round trip, on Redis's
     clock: a window's X-RateLimit-Reset is the same second through every host."""
@@ -103,6 +122,7 @@ class CountingRedisStorage(RedisStorage):
     STORAGE_SCHEME = ["petstore+redis", "petstore+rediss"]
 
     def __init__(self, uri: str, **options: Any) -> None:
+        self.own = OwnConnection()
         super().__init__(uri.removeprefix(SCHEME_PREFIX), **options)
 
     def initialize_storage(self, uri: str) -> None:
@@ -128,7 +148,7 @@ class CountingRedisStorage(RedisStorage):
         for key, expiry, limit in windows:
             keys.append(self.prefixed_key(key))
             args += (expiry, limit)
-        *counted, seconds, microseconds = self.lua_incr_windows(keys, args)
+        *counted, seconds, microseconds = self.call(self.lua_incr_windows, keys, args)
         now = storage_clock(seconds, microseconds)
         return [
             (int(counted[i]), now + max(int(counted[i + 1]), 0) / 1000)
@@ -137,11 +157,35 @@ class CountingRedisStorage(RedisStorage):
 
     def get_expiry(self, key: str) -> float:
         """The end of the key's window on Redis's clock (now, if it has none), in one round trip."""
-        ttl, seconds, microseconds = self.lua_window_end([self.prefixed_key(key)])
+        ttl, seconds, microseconds = self.call(self.lua_window_end, [self.prefixed_key(key)], [])
         return storage_clock(seconds, microseconds) + max(int(ttl), 0) / 1000
 
     def incr(self, key: str, expiry: int, amount: int = 1) -> int:
         return self.incr_with_expiry(key, expiry, amount)[0]
+
+    def call(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run `script` on this thread's own connection (loading it first on a Redis that lacks
+        it); a failure closes the connection and raises."""
+        own, pid = self.own, os.getpid()
+        if own.conn is None or own.pid != pid:
+            pool = self.storage.connection_pool
+            own.conn, own.pid = pool.connection_class(**pool.connection_kwargs), pid
+        conn = own.conn
+        try:
+            # Connects when not connected, to the master Sentinel names now for redis+sentinel
+            # (send_command alone would connect to the connection's default address).
+            conn.connect()
+            try:
+                conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                return conn.read_response()
+            except NoScriptError:  # a new Redis, or one restarted empty
+                conn.send_command("SCRIPT", "LOAD", script.script)
+                conn.read_response()
+                conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                return conn.read_response()
+        except BaseException:
+            conn.disconnect()
+            raise
 
 
 class SweepingMemoryStorage(MemoryStorage):
@@ -200,6 +244,10 @@ class CountingClusterStorage(CountingRedisStorage, RedisClusterStorage):
     keys may live in different slots (one script call touches one slot)."""
 
     STORAGE_SCHEME = ["petstore+redis+cluster"]
+
+    def call(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run `script` through the cluster client, which finds the node of the keys' slot."""
+        return script(keys, args)
 
     def incr_windows(
         self, windows: Sequence[StorageWindow], amount: int = 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -66,13 +67,13 @@ def test_redis_counts_every_window_of_a_request_in_one_call(
     counting: storages.CountingRedisStorage, redis_url: str
 ) -> None:
     calls = []
-    script = counting.lua_incr_windows
+    call = counting.call
 
     def counted_call(*args: Any, **kwargs: Any) -> Any:
         calls.append(args)
-        return script(*args, **kwargs)
+        return call(*args, **kwargs)
 
-    counting.lua_incr_windows = counted_call  # type: ignore[assignment]
+    counting.call = counted_call  # type: ignore[method-assign]
     windows = [("minute", 60, 2), ("day", 86_400, 5)]
     answers = [counting.incr_windows(windows) for _ in range(3)]
     assert len(calls) == 3, "one round trip per request, not one per window"
@@ -82,6 +83,41 @@ def test_redis_counts_every_window_of_a_request_in_one_call(
     # Past the minute's limit, the day is not counted: flask-limiter stops at the first limit.
     assert (counting.get("minute"), counting.get("day")) == (3, 2)
     assert 86_390 <= server.ttl("LIMITS:day") <= 86_400
+
+
+def test_redis_counts_on_a_connection_of_each_thread_and_process(
+    counting: storages.CountingRedisStorage,
+) -> None:
+    counting.incr("k", 60)
+    mine = counting.own.conn
+    counting.incr("k", 60)
+    assert counting.own.conn is mine, "the thread keeps its connection"
+    others: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: others.append((counting.incr("k", 60), counting.own.conn))
+    )
+    thread.start()
+    thread.join()
+    assert others[0][0] == 3 and others[0][1] is not mine, "another thread counts on its own"
+    counting.own.pid = -1  # as in a forked worker: its parent's socket is not shared
+    assert counting.incr("k", 60) == 4
+    assert counting.own.conn is not mine
+
+
+def test_redis_counting_survives_a_cut_connection_and_a_flushed_script(
+    counting: storages.CountingRedisStorage, redis_url: str
+) -> None:
+    assert counting.incr("k", 60) == 1
+    server = redis.Redis.from_url(redis_url)
+    server.script_flush()
+    assert counting.incr("k", 60) == 2, "the script is loaded again"
+    conn = counting.own.conn
+    assert conn is not None
+    conn.send_command("CLIENT", "ID")
+    server.client_kill_filter(_id=conn.read_response())
+    with pytest.raises(redis.ConnectionError):
+        counting.incr("k", 60)  # the limiter counts this one in its fallback
+    assert counting.incr("k", 60) == 3, "the next call connects anew"
 
 
 def test_memory_counts_every_window_up_to_the_first_overdrawn() -> None:
