@@ -226,3 +226,33 @@ def test_every_query_function_is_called_here() -> None:
         if f"{alias}.{name}," not in source
     ]
     assert not missing
+
+
+def test_pages_keep_one_generic_plan_however_large_the_table(tx: db.Connection) -> None:
+    """A page's statement is planned once per connection, not at every call, at any table size.
+
+    With `limit $n` PostgreSQL costs a generic plan for a tenth of the table, so past some size
+    it planned every page anew; at 100,000 pets the first page and the filtered page both did.
+    """
+    tx.execute(
+        """
+        insert into pets (name, category_id, status)
+        select 'pet ' || n, n % 100 + 1,
+               (array['available', 'pending', 'available', 'sold'])[n % 4 + 1]::pet_status
+          from generate_series(1, 100000) n
+        """
+    )
+    tx.execute("analyze pets")
+    for _ in range(12):  # prepared from the 5th call; PostgreSQL plans 5 custom plans first
+        pet_sql.list_pets(tx, after=0, limit=20)
+        pet_sql.list_pets_by_status(tx, status="available", after=0, limit=100)
+    plans = tx.execute(
+        """
+        select statement, generic_plans, custom_plans
+          from pg_prepared_statements
+         where statement like '%%from pets%%order by id%%'
+        """
+    ).fetchall()
+    assert len(plans) == 2, plans
+    for plan in plans:
+        assert plan["generic_plans"] >= 2, plan
