@@ -1,12 +1,14 @@
 """PostgreSQL's CPU per read at two table sizes, in paired rounds: is a read's cost flat?
 
-    .venv/bin/python -m bench.sizes [--sizes 10000,1000000] [--rounds 5] [--calls 3000]
+    .venv/bin/python -m bench.sizes [--sizes 10000,1000000[,10000000]] [--rounds 5] [--calls 3000]
 
-Two scratch databases, seeded with each size (database.seed: COPY, then vacuum analyze); one
-connection to each. Each round runs every read's query function `--calls` times on each size in
-turn (the order rotating each round) and takes the CPU its backend spent from /proc; the ratio
-reported is the median (min–max) of the rounds' larger ÷ smaller. Then EXPLAIN (ANALYZE, BUFFERS)
-of each at both sizes, and the size of the pets relations against shared_buffers.
+A scratch database per size, seeded (database.seed: COPY, then vacuum analyze); one connection
+to each, its statements prepared as the pool's are. Each round runs every read's query function
+`--calls` times on each size in turn (the order rotating each round) and takes the CPU its
+backend spent from /proc; each larger size's ratio is the median (min–max) of the rounds' own
+ratios to the smallest. Then how often PostgreSQL planned each statement anew (custom plans)
+against reusing its generic plan, EXPLAIN (ANALYZE, BUFFERS) of each read at every size, and
+the size of the pets relations against shared_buffers.
 """
 
 from __future__ import annotations
@@ -42,6 +44,57 @@ def reads(table: Table) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     }
 
 
+def table(sizes: list[int], cpu: dict[tuple[str, int], list[float]], names: list[str]) -> str:
+    """Markdown: each read's PostgreSQL µs per call at every size, and each larger size's paired
+    ratio to the smallest."""
+    small, larger = sizes[0], sizes[1:]
+    lines = [
+        "| read | "
+        + " | ".join(f"PostgreSQL µs per call at {size:,}" for size in sizes)
+        + " | "
+        + " | ".join(f"**{size:,} ÷ {small:,}** median (min–max)" for size in larger)
+        + " |",
+        "|---|" + "---:|" * (len(sizes) + len(larger)),
+    ]
+    for name in names:
+        cells = [f"{statistics.median(cpu[(name, size)]):,.0f}" for size in sizes]
+        for size in larger:
+            ratios = [
+                b / a for a, b in zip(cpu[(name, small)], cpu[(name, size)], strict=True) if a
+            ]
+            cells.append(
+                f"**{statistics.median(ratios):.2f}** ({min(ratios):.2f}–{max(ratios):.2f})"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plan_reuse(conn: Conn) -> str:
+    """How often PostgreSQL reused each prepared statement's generic plan on this connection,
+    against planning it anew (a custom plan: PostgreSQL plans five of those first)."""
+    rows = conn.execute(
+        """
+        select regexp_replace(statement, '\\s+', ' ', 'g') as statement,
+               generic_plans, custom_plans
+          from pg_prepared_statements
+         where statement like '%%from pets%%'
+           and statement not like '%%pg_prepared_statements%%'
+         order by statement
+        """
+    ).fetchall()
+    return "; ".join(
+        f"`…{where(row['statement'])}…` {row['generic_plans']:,} generic, "
+        f"{row['custom_plans']:,} custom plans"
+        for row in rows
+    )
+
+
+def where(statement: str) -> str:
+    """The part of a read's statement that tells it from the others: its WHERE clause."""
+    start = statement.find("where")
+    return statement[start : statement.find(")", start)].strip()
+
+
 def backend_pid(conn: Conn) -> int:
     """The pid of the connection's backend (this machine's PostgreSQL)."""
     row = conn.execute("select pg_backend_pid() as pid").fetchone()
@@ -65,8 +118,8 @@ def parse_args() -> argparse.Namespace:
     # /proc counts CPU in clock ticks (10 ms): 3,000 calls resolve 3.3 µs per call.
     parser.add_argument("--calls", type=int, default=3000, help="calls per read, size and round")
     args = parser.parse_args()
-    if len(args.sizes) != 2 or args.rounds < 5:
-        parser.error("two --sizes, and at least 5 --rounds")
+    if len(args.sizes) < 2 or args.rounds < 5:
+        parser.error("at least two --sizes, and at least 5 --rounds")
     return args
 
 
@@ -95,21 +148,9 @@ def main() -> int:
                     spent = (cpu_seconds([pid]) - before) / args.calls * 1e6
                     if number:  # the first round warms the caches up
                         cpu.setdefault((name, size), []).append(spent)
-        small, large = args.sizes
-        print(
-            f"\n| read | PostgreSQL µs per call at {small:,} | at {large:,} "
-            f"| **{large:,} ÷ {small:,}** median (min–max) of the rounds |"
-        )
-        print("|---|---:|---:|---:|")
-        for name in reads(tables[small]):
-            ratios = [
-                b / a for a, b in zip(cpu[(name, small)], cpu[(name, large)], strict=True) if a
-            ]
-            print(
-                f"| {name} | {statistics.median(cpu[(name, small)]):,.0f} "
-                f"| {statistics.median(cpu[(name, large)]):,.0f} | **{statistics.median(ratios):.2f}**"
-                f" ({min(ratios):.2f}–{max(ratios):.2f}) |"
-            )
+        print(table(args.sizes, cpu, list(reads(tables[args.sizes[0]]))))
+        for size in args.sizes:
+            print(f"\n{size:,} pets: " + plan_reuse(conns[size]))
         for size in args.sizes:
             row = (
                 conns[size]
