@@ -139,7 +139,9 @@ def strike(limiter: PlanLimiter, caller: Caller, spent: RateLimitItem) -> str:
         if strikes < config["BAN_THRESHOLD"]:
             return warning(config, strikes)
         conn = db.get_conn()
-        with conn.transaction():
+        # Bounded like every write: a primary deposed behind its back would hold the commit
+        # (and the 429) forever. A ban not replicated is no ban: the 429 says nothing of one.
+        with db.durable_write(conn), conn.transaction():
             ban = ban_key(conn, config, caller.key_id, strikes)
         # This worker's next request of the key sees the ban, whoever stored it.
         auth.forget_key(caller.key_id)

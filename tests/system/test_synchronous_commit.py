@@ -177,3 +177,29 @@ def test_a_cancelled_wait_is_a_503_and_the_retry_no_201_until_replicated(
     response, _took = create(client, key, None, "Replicated")
     assert response.status_code == 201
     assert "Idempotent-Replayed" not in response.headers
+
+
+def test_a_ban_whose_commit_waits_is_cancelled_and_the_429_answers(
+    server: ThrowawayPostgres, key: str
+) -> None:
+    """The strike that bans a key writes the ban under the same bound: the 429 answers within
+    it, without saying the key is banned (its ban is on this server alone)."""
+    with db.connect(config.from_environ({"DATABASE_URL": server.url(APP_DBNAME)})) as conn:
+        hammering, _row = keys.issue_key(conn, "free", "hammers", 1, 1000)
+    app = create_app(
+        {"DATABASE_URL": server.url(APP_DBNAME), "TESTING": True, "BAN_THRESHOLD": 1, **SETTINGS}
+    )
+    try:
+        client = app.test_client()
+        headers = {"Authorization": f"Bearer {hammering}"}
+        assert client.get("/v1/pets", headers=headers).status_code == 200
+        wait_for_standby_named(server, "nobody")
+        began = time.monotonic()
+        response = client.get("/v1/pets", headers=headers)  # the strike that bans
+        took = time.monotonic() - began
+        assert_error(response, 429, "rate_limited")
+        assert took < ANSWERED_WITHIN, took
+        assert "banned" not in response.get_json()["message"], response.get_json()
+    finally:
+        app.extensions["petstore.pool"].close()
+        wait_for_standby_named(server, "")
