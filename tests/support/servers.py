@@ -37,6 +37,15 @@ def free_port() -> int:
         return port
 
 
+def accepts_connections(port: int, host: str = LOOPBACK, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections on `host`:`port` right now."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def log_tail(path: Path, lines: int = 40) -> str:
     """The last lines of a log file, or a note that there is none."""
     try:
@@ -497,8 +506,4 @@ class PgBouncer(ServerProcess):
 
     def answers(self) -> bool:
         """Whether it accepts TCP connections right now."""
-        try:
-            with socket.create_connection((LOOPBACK, self.port), timeout=1):
-                return True
-        except OSError:
-            return False
+        return accepts_connections(self.port)
