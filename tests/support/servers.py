@@ -348,6 +348,16 @@ class ThrowawayPostgres(Service):
         database_url: str = embedded.url(self.datadir, dbname)
         return database_url
 
+    def migrated_database(self, dbname: str) -> str:
+        """Create database `dbname` here if it is missing and migrate it; its libpq URL."""
+        from petstore import config, db, devserver, migrations
+
+        devserver.ensure_database(self.url(), dbname)
+        database_url = self.url(dbname)
+        with db.connect(config.from_environ({"DATABASE_URL": database_url})) as conn:
+            migrations.upgrade(conn)
+        return database_url
+
 
 class SilentServer(Service):
     """A TCP server on a free loopback port that accepts connections and never answers, as a context manager."""
