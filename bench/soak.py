@@ -30,8 +30,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from tests.support.haproxy import HAProxy
 from tests.support.load import HTTP_TIMEOUT, MixedLoad
 from tests.support.nginx import Deployment, deploy
 from tests.support.patroni import Cluster, PatroniNode
-from tests.support.servers import LOOPBACK, PgBouncer, poll_until
+from tests.support.servers import LOOPBACK, PgBouncer, Service, poll_until
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONNECT_TIMEOUT = 2
@@ -82,38 +82,88 @@ class SoakLoad(MixedLoad):
         return answer
 
 
-@dataclass
-class Stack:
-    """The Patroni pair with a PgBouncer each, and the service before them."""
+def node_url(node: PatroniNode) -> str:
+    host, port = node.address
+    return conninfo.make_conninfo("", host=host, port=str(port), dbname="petstore", user="postgres")
 
-    cluster: Cluster
-    bouncers: dict[str, PgBouncer]
-    service: Deployment
+
+class Stack(Service):
+    """etcd and the Patroni pair, a PgBouncer per node, HAProxy, Redis, two gunicorns and nginx;
+    a Service (a with block starts and stops it)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.cluster = Cluster(workdir, CONNECT_TIMEOUT)
+        self.bouncers = {
+            node.node: PgBouncer(workdir / f"pgbouncer-{node.node}", node_url(node))
+            for node in self.cluster.nodes
+        }
+        # Writes follow the leader lock: HAProxy checks each node's Patroni and sends to its
+        # PgBouncer (docs/deploying.rst, "Writes follow the leader lock (HAProxy)").
+        self.haproxy = HAProxy(
+            workdir / "haproxy",
+            self.cluster.nodes,
+            {name: (LOOPBACK, bouncer.port) for name, bouncer in self.bouncers.items()},
+        )
+        self.deployment: Deployment | None = None
+        # What start() started, stopped in the reverse order.
+        self.running = ExitStack()
+
+    def start(self) -> None:
+        """The cluster (its statement timeout pinned), the PgBouncers, HAProxy, then the service."""
+        self.running.callback(self.cluster.stop)
+        self.cluster.start()
+        with self.cluster.connect() as conn:
+            # Behind a transaction pooler the timeout is the database's
+            # (docs/deploying.rst, "Behind PgBouncer (transaction pooling)").
+            db.pin_statement_timeout(conn, STATEMENT_TIMEOUT_MS)
+        for bouncer in self.bouncers.values():
+            self.running.enter_context(bouncer)
+        self.running.enter_context(self.haproxy)
+        environ = {
+            **ENVIRON,
+            "DATABASE_URL": self.haproxy.url(connect_timeout=CONNECT_TIMEOUT),
+            "RATELIMIT_STORAGE_URI": self.cluster.redis.url(),
+        }
+        self.deployment = self.running.enter_context(
+            deploy(environ, self.workdir / "web", instances=2, workers=2, threads=4)
+        )
+
+    def stop(self) -> None:
+        """Stop whatever start() started, the service first; idempotent."""
+        self.deployment = None
+        self.running.close()
+
+    @property
+    def service(self) -> Deployment:
+        """The gunicorns and the nginx before them."""
+        assert self.deployment is not None, "the stack is not started"
+        return self.deployment
 
     def bouncer_of(self, node: PatroniNode) -> PgBouncer:
         return self.bouncers[node.node]
 
-    def kill_primary(self) -> str:
-        """kill -9 of the primary's Patroni and postmaster; start it again once the other leads."""
+    def fail_over(self, kill: Callable[[PatroniNode], None]) -> tuple[PatroniNode, PatroniNode]:
+        """`kill` the primary; once the other node leads, start the old one again and wait until it
+        is the synchronous standby. (The old primary, the new one.)"""
         old = self.cluster.primary()
-        old.kill()
+        kill(old)
         other = next(node for node in self.cluster.nodes if node is not old)
         if not poll_until(other.is_primary, bool, REJOIN_WITHIN, 0.2):
             raise RuntimeError(f"no failover to {other.node}:\n{other.log()}")
         old.start()
         self.cluster.wait_for_sync_standby(old)
+        return old, other
+
+    def kill_primary(self) -> str:
+        """kill -9 of the primary's Patroni and postmaster; start it again once the other leads."""
+        old, other = self.fail_over(PatroniNode.kill)
         return f"{old.node} killed, {other.node} promoted, {old.node} back as the sync standby"
 
     def kill_primarys_patroni(self) -> str:
         """kill -9 of the primary's Patroni alone, its postmaster left running; start it again once
         the other leads (it demotes its PostgreSQL)."""
-        old = self.cluster.primary()
-        old.kill_patroni()
-        other = next(node for node in self.cluster.nodes if node is not old)
-        if not poll_until(other.is_primary, bool, REJOIN_WITHIN, 0.2):
-            raise RuntimeError(f"no failover to {other.node}:\n{other.log()}")
-        old.start()
-        self.cluster.wait_for_sync_standby(old)
+        old, other = self.fail_over(PatroniNode.kill_patroni)
         return f"{old.node}'s Patroni killed, {other.node} promoted, {old.node} demoted and back"
 
     def switchover(self) -> str:
@@ -160,48 +210,6 @@ class Stack:
         ]
 
 
-def node_url(node: PatroniNode) -> str:
-    host, port = node.address
-    return conninfo.make_conninfo("", host=host, port=str(port), dbname="petstore", user="postgres")
-
-
-@contextmanager
-def whole_stack(workdir: Path) -> Iterator[Stack]:
-    """Start etcd, the Patroni pair, a PgBouncer per node, Redis, two gunicorns, nginx; stop them all."""
-    with ExitStack() as stack:
-        cluster = Cluster(workdir, CONNECT_TIMEOUT)
-        stack.callback(cluster.stop)
-        cluster.start()
-        with cluster.connect() as conn:
-            # Behind a transaction pooler the timeout is the database's
-            # (docs/deploying.rst, "Behind PgBouncer (transaction pooling)").
-            db.pin_statement_timeout(conn, STATEMENT_TIMEOUT_MS)
-        bouncers = {
-            node.node: stack.enter_context(
-                PgBouncer(workdir / f"pgbouncer-{node.node}", node_url(node))
-            )
-            for node in cluster.nodes
-        }
-        # Writes follow the leader lock: HAProxy checks each node's Patroni and sends to its
-        # PgBouncer (docs/deploying.rst, "Writes follow the leader lock (HAProxy)").
-        haproxy = stack.enter_context(
-            HAProxy(
-                workdir / "haproxy",
-                cluster.nodes,
-                {name: (LOOPBACK, bouncer.port) for name, bouncer in bouncers.items()},
-            )
-        )
-        environ = {
-            **ENVIRON,
-            "DATABASE_URL": haproxy.url(connect_timeout=CONNECT_TIMEOUT),
-            "RATELIMIT_STORAGE_URI": cluster.redis.url(),
-        }
-        service = stack.enter_context(
-            deploy(environ, workdir / "web", instances=2, workers=2, threads=4)
-        )
-        yield Stack(cluster, bouncers, service)
-
-
 def worker_rss(service: Deployment) -> dict[int, int]:
     """pid -> resident set size (kB) of every gunicorn worker right now."""
     sizes = {}
@@ -243,12 +251,9 @@ class Run:
     rows_of_201s: int
 
 
-def report(run: Run) -> str:
-    """The run as markdown."""
-    period = run.args.fault_every * 60
-    answers = run.load.answers
-    slices = max(1, math.ceil(run.args.minutes * 60 / period - 1e-6))
-    lines = [
+def header(run: Run) -> list[str]:
+    """The title and what ran: the command, the machine, the load and the stack."""
+    return [
         f"# Soak, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         "",
         f"`python -m bench.soak {' '.join(sys.argv[1:])}` on {platform.node()} "
@@ -259,58 +264,92 @@ def report(run: Run) -> str:
         "PgBouncer (transaction mode) each, DATABASE_URL naming HAProxy, which sends to the "
         "PgBouncer of the node holding Patroni's leader lock.",
         "",
+    ]
+
+
+def faults_section(run: Run) -> list[str]:
+    """Each fault: when, which, how long it took, what it did."""
+    return [
         "## Faults",
         "",
         "| at (s) | fault | took (s) | what |",
         "|---:|---|---:|---|",
-    ]
-    for at, name, took, what in run.faults:
-        lines.append(f"| {at:.0f} | {name} | {took:.1f} | {what} |")
-    lines += [
+        *(f"| {at:.0f} | {name} | {took:.1f} | {what} |" for at, name, took, what in run.faults),
         "",
+    ]
+
+
+def slice_row(run: Run, number: int) -> str:
+    """Slice `number`'s table row: its fault, its answers' latency and their statuses."""
+    period = run.args.fault_every * 60
+    low, high = run.started + number * period, run.started + (number + 1) * period
+    within = [a for a in run.load.answers if low <= a.started < high]
+    times = [a.elapsed * 1000 for a in within]
+    classes = Counter(status_class(a.status) for a in within)
+    fault = next((name for at, name, _, _ in run.faults if low <= run.started + at < high), "")
+    other = sum(n for name, n in classes.items() if name.startswith("5") and name != "503")
+    return (
+        f"| {number * period / 60:g}-{min(run.args.minutes, (number + 1) * period / 60):g} min "
+        f"| {fault} "
+        f"| {len(within)} | {percentile(times, 0.5):.1f} | {percentile(times, 0.99):.1f} "
+        f"| {max(times, default=0):.0f} | {classes['2xx']} | {classes['4xx']} "
+        f"| {classes['503']} | {other} |"
+    )
+
+
+def slices_section(run: Run) -> list[str]:
+    """A row per slice of `--fault-every` minutes."""
+    period = run.args.fault_every * 60
+    slices = max(1, math.ceil(run.args.minutes * 60 / period - 1e-6))
+    return [
         "## Latency and statuses per slice",
         "",
         "| slice | fault | requests | p50 (ms) | p99 (ms) | longest (ms) | 2xx | 4xx | 503 | other 5xx |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *(slice_row(run, number) for number in range(slices)),
+        "",
     ]
-    for number in range(slices):
-        low, high = run.started + number * period, run.started + (number + 1) * period
-        within = [a for a in answers if low <= a.started < high]
-        times = [a.elapsed * 1000 for a in within]
-        classes = Counter(status_class(a.status) for a in within)
-        fault = next((name for at, name, _, _ in run.faults if low <= run.started + at < high), "")
-        other = sum(n for name, n in classes.items() if name.startswith("5") and name != "503")
-        lines.append(
-            f"| {number * period / 60:g}-{min(run.args.minutes, (number + 1) * period / 60):g} min "
-            f"| {fault} "
-            f"| {len(within)} | {percentile(times, 0.5):.1f} | {percentile(times, 0.99):.1f} "
-            f"| {max(times, default=0):.0f} | {classes['2xx']} | {classes['4xx']} "
-            f"| {classes['503']} | {other} |"
-        )
+
+
+def statuses_section(run: Run) -> list[str]:
+    """The answers by status class and by status, and the requests that had none."""
+    answers, failures = run.load.answers, run.load.failures
     every = Counter(a.status for a in answers)
     by_class = Counter(status_class(a.status) for a in answers)
-    lines += [
-        "",
+    return [
         "## Statuses",
         "",
         f"{len(answers)} answers: "
         + ", ".join(f"{name} {count}" for name, count in sorted(by_class.items()))
         + " (each status: "
         + ", ".join(f"{status} {count}" for status, count in sorted(every.items()))
-        + f"); {len(run.load.failures)} requests without an answer (connection refused or "
+        + f"); {len(failures)} requests without an answer (connection refused or "
         f"reset, or {HTTP_TIMEOUT:g} s without one)"
-        + (": " + "; ".join(sorted(set(run.load.failures))[:10]) if run.load.failures else "")
+        + (": " + "; ".join(sorted(set(failures))[:10]) if failures else "")
         + ".",
         "",
+    ]
+
+
+def rows_section(run: Run) -> list[str]:
+    """The 201s against the rows on the primary at the end, and each create given up."""
+    load = run.load
+    return [
         "## Rows against the 201s",
         "",
-        f"{len(run.load.created)} 201s answered ({len(set(run.load.created))} distinct ids); "
+        f"{len(load.created)} 201s answered ({len(set(load.created))} distinct ids); "
         f"{run.rows_of_201s} of those ids are rows on the primary at the end; {run.rows} rows "
-        f"of this run in all; {len(run.load.abandoned)} creates given up (no 201 within "
-        f"{run.load.create_deadline:g} s of retries)" + (":" if run.load.abandoned else "."),
+        f"of this run in all; {len(load.abandoned)} creates given up (no 201 within "
+        f"{load.create_deadline:g} s of retries)" + (":" if load.abandoned else "."),
         "",
-        *(f"- {given_up}" for given_up in run.load.abandoned),
-        *([""] if run.load.abandoned else []),
+        *(f"- {given_up}" for given_up in load.abandoned),
+        *([""] if load.abandoned else []),
+    ]
+
+
+def rss_section(run: Run) -> list[str]:
+    """Each worker's RSS at the start and the end; the killed ones and their replacements apart."""
+    lines = [
         "## Worker RSS",
         "",
         f"Each worker that lived through the run, at its start and its end (flat means within "
@@ -337,14 +376,27 @@ def report(run: Run) -> str:
             + (", ".join(f"{pid} ({run.rss_end[pid] / 1024:.1f} MB)" for pid in new) or "none")
             + ".",
         ]
-    lines.append("")
-    return "\n".join(lines)
+    return [*lines, ""]
+
+
+def report(run: Run) -> str:
+    """The run as markdown: one section after another."""
+    return "\n".join(
+        [
+            *header(run),
+            *faults_section(run),
+            *slices_section(run),
+            *statuses_section(run),
+            *rows_section(run),
+            *rss_section(run),
+        ]
+    )
 
 
 def soak(args: argparse.Namespace, workdir: Path) -> Run:
     """Start the stack, run the load and the faults, and gather what the report says."""
     period = args.fault_every * 60
-    with whole_stack(workdir) as stack:
+    with Stack(workdir) as stack:
         load = SoakLoad(
             stack.service.url, stack.cluster.key, "soak", clients=args.clients, create_deadline=60
         )

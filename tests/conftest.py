@@ -1,4 +1,4 @@
-"""Fixtures: a real PostgreSQL database migrated once per session, clean tables per test, apps, keys."""
+"""Fixtures: a real PostgreSQL database migrated once per session, clean tables per test, apps, keys, the CLI."""
 
 from __future__ import annotations
 
@@ -10,16 +10,20 @@ from typing import Any
 import psycopg
 import pytest
 import redis
+from click.testing import CliRunner, Result
 from flask import Flask
 from flask.testing import FlaskClient
 from psycopg import conninfo, sql
 
 from petstore import config, create_app, db, keys, migrations
+from petstore.cli import main
 from tests.support import reports
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_DBNAME = "petstore_test"
 TEST_REDIS_URL = "redis://127.0.0.1:6379/15"
+
+Cli = Callable[..., Result]
 
 
 def server_and_dbname() -> tuple[str, str, Path | None]:
@@ -125,6 +129,21 @@ def issue_key(conn: db.Connection) -> Callable[..., str]:
         return key
 
     return issue
+
+
+@pytest.fixture
+def cli(database_url: str, conn: db.Connection, tmp_path: Path) -> Cli:
+    """Run `petstore ARGS...` in-process against the (emptied) test database.
+
+    Its var/ is an empty directory of the test's: what a `make run` of this checkout recorded
+    must not count.
+    """
+
+    def run(*args: str, env: dict[str, str | None] | None = None) -> Result:
+        environ = {"DATABASE_URL": database_url, "PETSTORE_VAR_DIR": str(tmp_path), **(env or {})}
+        return CliRunner().invoke(main, list(args), env=environ)
+
+    return run
 
 
 @pytest.fixture

@@ -8,40 +8,23 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import Result
 from flask.testing import FlaskClient
 
 from petstore import db, devserver, migrations
-from petstore.cli import main
 from petstore.devserver import development_key
 from petstore.queries import keys
+from tests.conftest import Cli
 from tests.support.checks import pass_key_cache_bound
 from tests.support.databases import empty_database
 
 KEY = re.compile(r"ps_[A-Za-z0-9_-]{43}")
 PETSTORE = Path(sys.executable).parent / "petstore"
-
-Cli = Callable[..., Result]
-
-
-@pytest.fixture
-def cli(database_url: str, conn: db.Connection, tmp_path: Path) -> Cli:
-    """Run `petstore ARGS...` in-process against the (emptied) test database.
-
-    Its var/ is an empty directory of the test's: what a `make run` of this checkout recorded
-    must not count.
-    """
-
-    def run(*args: str, env: dict[str, str | None] | None = None) -> Result:
-        environ = {"DATABASE_URL": database_url, "PETSTORE_VAR_DIR": str(tmp_path), **(env or {})}
-        return CliRunner().invoke(main, list(args), env=environ)
-
-    return run
 
 
 def created_key(result: Result) -> str:

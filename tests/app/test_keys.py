@@ -5,36 +5,21 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import psycopg
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import Result
 from flask import Flask
 from flask.testing import FlaskClient
 
 from petstore import db
 from petstore.auth import needs_scope
-from petstore.cli import main
-from tests.conftest import count_pets
+from tests.conftest import Cli, count_pets
 from tests.support.checks import assert_error, pass_key_cache_bound
 
 KEY = re.compile(r"ps_[A-Za-z0-9_-]{43}")
 INSUFFICIENT_SCOPE = 'Bearer realm="petstore", error="insufficient_scope", scope="write"'
 NEW_PET = {"name": "Rex", "categoryId": 1}
-
-Cli = Callable[..., Result]
-
-
-@pytest.fixture
-def cli(database_url: str, conn: db.Connection, tmp_path: Path) -> Cli:
-    """`petstore ARGS...` in-process against the (emptied) test database."""
-
-    def run(*args: str) -> Result:
-        environ = {"DATABASE_URL": database_url, "PETSTORE_VAR_DIR": str(tmp_path)}
-        return CliRunner().invoke(main, list(args), env=environ)
-
-    return run
 
 
 def printed_key(result: Result) -> str:

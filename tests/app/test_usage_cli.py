@@ -4,32 +4,17 @@ from __future__ import annotations
 
 import getpass
 import json
-from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
 
 import psycopg
 import pytest
-from click.testing import CliRunner, Result
 from psycopg import sql
 
 from petstore import db, keys
-from petstore.cli import main
 from petstore.queries import usage as usage_sql
+from tests.conftest import Cli
 
-Cli = Callable[..., Result]
 DAY = datetime(2026, 11, 25, tzinfo=UTC)
-
-
-@pytest.fixture
-def cli(database_url: str, conn: db.Connection, tmp_path: Path) -> Cli:
-    """Run `petstore ARGS...` in-process against the (emptied) test database."""
-
-    def run(*args: str) -> Result:
-        environ = {"DATABASE_URL": database_url, "PETSTORE_VAR_DIR": str(tmp_path)}
-        return CliRunner().invoke(main, list(args), env=environ)
-
-    return run
 
 
 def test_every_operator_action_is_in_the_audit_trail(cli: Cli, conn: db.Connection) -> None:

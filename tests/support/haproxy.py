@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -11,7 +10,7 @@ from psycopg import conninfo
 
 from tests.support.patroni import PatroniNode
 from tests.support.programs import program
-from tests.support.servers import LOOPBACK, ROOT, ServerProcess
+from tests.support.servers import LOOPBACK, ROOT, ServerProcess, accepts_connections
 
 HAPROXY_CFG = ROOT / "deploy" / "haproxy.cfg"
 
@@ -78,8 +77,4 @@ class HAProxy(ServerProcess):
 
     def answers(self) -> bool:
         """Whether it accepts TCP connections right now."""
-        try:
-            with socket.create_connection((LOOPBACK, self.port), timeout=1):
-                return True
-        except OSError:
-            return False
+        return accepts_connections(self.port)

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from tests.support.servers import (
     Gunicorn,
     ServerFailed,
     ServerProcess,
+    accepts_connections,
     free_port,
     poll_until,
 )
@@ -231,11 +231,7 @@ class Nginx(ServerProcess):
 
     def answers(self) -> bool:
         """Whether its port takes connections right now."""
-        try:
-            socket.create_connection((self.host, self.port), timeout=1).close()
-        except OSError:
-            return False
-        return True
+        return accepts_connections(self.port, self.host)
 
     def access_log(self) -> list[dict[str, Any]]:
         """nginx's access log, one JSON object per line (the petstore_json format)."""

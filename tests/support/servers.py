@@ -37,6 +37,15 @@ def free_port() -> int:
         return port
 
 
+def accepts_connections(port: int, host: str = LOOPBACK, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections on `host`:`port` right now."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def log_tail(path: Path, lines: int = 40) -> str:
     """The last lines of a log file, or a note that there is none."""
     try:
@@ -339,6 +348,16 @@ class ThrowawayPostgres(Service):
         database_url: str = embedded.url(self.datadir, dbname)
         return database_url
 
+    def migrated_database(self, dbname: str) -> str:
+        """Create database `dbname` here if it is missing and migrate it; its libpq URL."""
+        from petstore import config, db, devserver, migrations
+
+        devserver.ensure_database(self.url(), dbname)
+        database_url = self.url(dbname)
+        with db.connect(config.from_environ({"DATABASE_URL": database_url})) as conn:
+            migrations.upgrade(conn)
+        return database_url
+
 
 class SilentServer(Service):
     """A TCP server on a free loopback port that accepts connections and never answers, as a context manager."""
@@ -497,8 +516,4 @@ class PgBouncer(ServerProcess):
 
     def answers(self) -> bool:
         """Whether it accepts TCP connections right now."""
-        try:
-            with socket.create_connection((LOOPBACK, self.port), timeout=1):
-                return True
-        except OSError:
-            return False
+        return accepts_connections(self.port)

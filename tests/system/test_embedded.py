@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from petstore import embedded
+from tests.support.servers import accepts_connections
 
 
 @pytest.fixture
@@ -31,15 +32,6 @@ def port_of(url: str) -> int:
     port = urlsplit(url).port
     assert port is not None
     return port
-
-
-def answers(port: int) -> bool:
-    """Whether something accepts TCP connections on 127.0.0.1:`port`."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def postmaster_pid(datadir: Path) -> int:
@@ -64,7 +56,7 @@ def test_data_survives_stop_and_start(datadir: Path) -> None:
         conn.execute("insert into pets values ('Rex')")
 
     embedded.stop(datadir)
-    assert not answers(port_of(url))
+    assert not accepts_connections(port_of(url))
     assert embedded.url(datadir) == url  # known while stopped
 
     assert embedded.ensure_running(datadir) == url
@@ -76,7 +68,7 @@ def test_second_call_returns_the_same_server(datadir: Path) -> None:
     pid = postmaster_pid(datadir)
     assert embedded.ensure_running(datadir) == url
     assert postmaster_pid(datadir) == pid  # not restarted
-    assert answers(port_of(url))
+    assert accepts_connections(port_of(url))
 
 
 def test_restart_after_sigkill_leaves_a_stale_pid_file(datadir: Path) -> None:
@@ -94,7 +86,7 @@ def test_restart_after_sigkill_leaves_a_stale_pid_file(datadir: Path) -> None:
         assert time.monotonic() < deadline, f"killed postmaster {pid} still exists"
         time.sleep(0.05)
     assert (datadir / "postmaster.pid").is_file()  # stale
-    assert not answers(port_of(url))
+    assert not accepts_connections(port_of(url))
 
     assert embedded.ensure_running(datadir) == url
     assert postmaster_pid(datadir) != pid
@@ -125,10 +117,10 @@ def test_without_a_cluster_url_fails_and_stop_does_nothing(tmp_path: Path) -> No
 def test_start_url_and_stop(datadir: Path) -> None:
     """What make run and the tests call: start (the URL), the URL again, stop."""
     url = embedded.ensure_running(datadir)
-    assert answers(port_of(url))
+    assert accepts_connections(port_of(url))
     assert embedded.url(datadir) == url
     embedded.stop(datadir)
-    assert not answers(port_of(url))
+    assert not accepts_connections(port_of(url))
     embedded.stop(datadir)  # stopping a stopped server does nothing
 
 

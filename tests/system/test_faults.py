@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from petstore import config, db, devserver, keys, migrations
+from petstore import config, db, keys
 from tests.support import reports
 from tests.support.checks import Answer, call
 from tests.support.nginx import DeployedGunicorn, Nginx
@@ -142,10 +142,8 @@ class Stack(Service):
     def start(self) -> None:
         """Start everything: a migrated database with a key of ample budget, Redis, two instances, nginx."""
         self.cluster.start()
-        devserver.ensure_database(self.cluster.url(), APP_DBNAME)
-        self.database_url = self.cluster.url(APP_DBNAME)
+        self.database_url = self.cluster.migrated_database(APP_DBNAME)
         with self.connect() as conn:
-            migrations.upgrade(conn)
             self.key, _row = keys.issue_key(conn, "enterprise", "faults", 10_000_000, 100_000_000)
         self.redis.start()
         self.start_web(

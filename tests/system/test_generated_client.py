@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import requests
@@ -81,18 +82,27 @@ def client_package(server: Gunicorn, tmp_path: Path) -> Iterator[ModuleType]:
             del sys.modules[name]
 
 
+def generated(module: str) -> ModuleType:
+    """A module of the generated package (imported by the client_package fixture): "models", say."""
+    return importlib.import_module(f"{PACKAGE}.{module}")
+
+
+def authenticated(package: ModuleType, server: Gunicorn, key: str) -> Any:
+    """The generated client for the server's /v1 with `key`; an undocumented status raises."""
+    return package.AuthenticatedClient(
+        base_url=f"{server.url}/v1", token=key, raise_on_unexpected_status=True
+    )
+
+
 def test_create_list_and_fetch_with_the_generated_client(
     client_package: ModuleType, server: Gunicorn, issue_key: Callable[..., str]
 ) -> None:
-    create_pet = importlib.import_module(f"{PACKAGE}.api.pets.create_pet")
-    list_pets = importlib.import_module(f"{PACKAGE}.api.pets.list_pets")
-    get_pet = importlib.import_module(f"{PACKAGE}.api.pets.get_pet")
-    models = importlib.import_module(f"{PACKAGE}.models")
+    create_pet = generated("api.pets.create_pet")
+    list_pets = generated("api.pets.list_pets")
+    get_pet = generated("api.pets.get_pet")
+    models = generated("models")
 
-    base_url = f"{server.url}/v1"
-    client = client_package.AuthenticatedClient(
-        base_url=base_url, token=issue_key("free"), raise_on_unexpected_status=True
-    )
+    client = authenticated(client_package, server, issue_key("free"))
     with client:
         new_pet = models.NewPet(name="Rex", category_id=7, status=models.NewPetStatus.AVAILABLE)
         created = create_pet.sync_detailed(
@@ -133,7 +143,7 @@ def test_create_list_and_fetch_with_the_generated_client(
         assert isinstance(missing, models.Error)
         assert (missing.code, missing.status) == ("not_found", 404)
 
-    anonymous = client_package.Client(base_url=base_url, raise_on_unexpected_status=True)
+    anonymous = client_package.Client(base_url=f"{server.url}/v1", raise_on_unexpected_status=True)
     with anonymous:
         refused = list_pets.sync(client=anonymous)
         assert isinstance(refused, models.Error)
@@ -143,16 +153,14 @@ def test_create_list_and_fetch_with_the_generated_client(
 def test_rate_limit_and_scopes_with_the_generated_client(
     client_package: ModuleType, server: Gunicorn, issue_key: Callable[..., str], conn: db.Connection
 ) -> None:
-    get_rate_limit = importlib.import_module(f"{PACKAGE}.api.rate_limits.get_rate_limit")
-    create_pet = importlib.import_module(f"{PACKAGE}.api.pets.create_pet")
-    list_pets = importlib.import_module(f"{PACKAGE}.api.pets.list_pets")
-    models = importlib.import_module(f"{PACKAGE}.models")
+    get_rate_limit = generated("api.rate_limits.get_rate_limit")
+    create_pet = generated("api.pets.create_pet")
+    list_pets = generated("api.pets.list_pets")
+    models = generated("models")
     read_only = issue_key("pro")
     conn.execute("update api_keys set scopes = '{read}'")
 
-    client = client_package.AuthenticatedClient(
-        base_url=f"{server.url}/v1", token=read_only, raise_on_unexpected_status=True
-    )
+    client = authenticated(client_package, server, read_only)
     with client:
         assert list_pets.sync(client=client) == []
         refused = create_pet.sync_detailed(
@@ -176,12 +184,10 @@ def test_usage_with_the_generated_client(
     client_package: ModuleType, server: Gunicorn, issue_key: Callable[..., str]
 ) -> None:
     """getUsage: the key's own requests, in their bucket within 10 s (the workers' batches)."""
-    get_usage = importlib.import_module(f"{PACKAGE}.api.usage.get_usage")
-    list_pets = importlib.import_module(f"{PACKAGE}.api.pets.list_pets")
-    models = importlib.import_module(f"{PACKAGE}.models")
-    client = client_package.AuthenticatedClient(
-        base_url=f"{server.url}/v1", token=issue_key("free"), raise_on_unexpected_status=True
-    )
+    get_usage = generated("api.usage.get_usage")
+    list_pets = generated("api.pets.list_pets")
+    models = generated("models")
+    client = authenticated(client_package, server, issue_key("free"))
     with client:
         assert list_pets.sync(client=client) == []
         deadline = time.monotonic() + 10

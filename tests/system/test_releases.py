@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -102,6 +102,55 @@ def p99(answers: list[Answer]) -> float:
     return times[int(len(times) * 0.99)]
 
 
+@contextmanager
+def keyed_database(database_url: str, label: str) -> Iterator[tuple[str, str]]:
+    """An empty database `<test db>_<label>`, migrated, and a key of ample budget: (its URL, the key)."""
+    with empty_database(database_url, f"_{label}") as database:
+        with db.connect(config.from_environ({"DATABASE_URL": database})) as conn:
+            migrations.upgrade(conn)
+            key, _row = keys.issue_key(conn, "enterprise", label, 1_000_000, 10_000_000)
+        yield database, key
+
+
+@contextmanager
+def under_load(url: str, key: str, label: str) -> Iterator[MixedLoad]:
+    """A mixed load of 8 clients on `url` through the with block, from 2 s before it to 2 s after."""
+    load = MixedLoad(url, key, label, clients=8)
+    stop = threading.Event()
+    loading = threading.Thread(target=load.run, args=(10**9, stop))
+    loading.start()
+    try:
+        time.sleep(2)
+        yield load
+        time.sleep(2)
+    finally:
+        stop.set()
+        loading.join(timeout=60)
+
+
+def assert_nothing_refused(
+    load: MixedLoad, database: str, release: tuple[float, float], after: set[str], what: str
+) -> None:
+    """Print what the release (its start and end) cost; assert only 200s and 201s, no failure
+    and no create given up, NEW_VERSION answering after it, every 201 a row, and a load during it."""
+    started, finished = release
+    statuses = {answer.status for answer in load.answers}
+    during = [a for a in load.answers if started <= a.started <= finished]
+    print(
+        f"\n{what} took {finished - started:.1f} s; {len(load.answers)} answers, "
+        f"{len(during)} during it, p99 during {p99(during) * 1000:.1f} ms, "
+        f"statuses {sorted(statuses)}, {len(load.created)} created"
+    )
+
+    assert load.failures == []
+    assert statuses <= {200, 201}, sorted(statuses)
+    assert load.abandoned == []
+    assert after == {NEW_VERSION}
+    rows = load.rows(lambda: db.connect(config.from_environ({"DATABASE_URL": database})))
+    assert sum(rows.values()) == len(load.created) and set(rows.values()) == {1}
+    assert len(during) > 50
+
+
 def test_usr2_replaces_the_running_version_without_a_refused_request(
     releases: tuple[Path, Path], database_url: str, tmp_path: Path
 ) -> None:
@@ -111,10 +160,7 @@ def test_usr2_replaces_the_running_version_without_a_refused_request(
     pidfile = tmp_path / "gunicorn.pid"
     port = free_port()
     url = f"http://{LOOPBACK}:{port}"
-    with empty_database(database_url, "_release") as database:
-        with db.connect(config.from_environ({"DATABASE_URL": database})) as conn:
-            migrations.upgrade(conn)
-            key, _row = keys.issue_key(conn, "enterprise", "release", 1_000_000, 10_000_000)
+    with keyed_database(database_url, "release") as (database, key):
         environ = {
             **{k: v for k, v in os.environ.items() if not k.startswith("PETSTORE_")},
             "DATABASE_URL": database,
@@ -139,12 +185,7 @@ def test_usr2_replaces_the_running_version_without_a_refused_request(
             )
         try:
             wait_for(lambda: versions(url) == {"1.1.0"}, 30, "the old release answers")
-            load = MixedLoad(url, key, "release", clients=8)
-            stop = threading.Event()
-            loading = threading.Thread(target=load.run, args=(10**9, stop))
-            loading.start()
-            try:
-                time.sleep(2)
+            with under_load(url, key, "release") as load:
                 started = time.monotonic()
                 # The release: the link to the new checkout, USR2, then TERM to the old master
                 # once the new one's workers answer.
@@ -160,10 +201,6 @@ def test_usr2_replaces_the_running_version_without_a_refused_request(
                 # Its parent gone, the new master takes the pid file's name.
                 wait_for(lambda: read_pid(pidfile) == new_master, 10, "the pid file renamed")
                 finished = time.monotonic()
-                time.sleep(2)
-            finally:
-                stop.set()
-                loading.join(timeout=60)
             after = versions(url)
             metrics = call(url, "GET", "/metrics", timeout=10)
         finally:
@@ -179,23 +216,9 @@ def test_usr2_replaces_the_running_version_without_a_refused_request(
             except ProcessLookupError:
                 pass
             master.wait(timeout=10)
-        statuses = {answer.status for answer in load.answers}
-        during = [a for a in load.answers if started <= a.started <= finished]
-        print(
-            f"\nrelease took {finished - started:.1f} s; {len(load.answers)} answers, "
-            f"{len(during)} during the release, p99 during {p99(during) * 1000:.1f} ms, "
-            f"statuses {sorted(statuses)}, {len(load.created)} created"
-        )
-
-        assert load.failures == []
-        assert statuses <= {200, 201}, sorted(statuses)
-        assert load.abandoned == []
-        assert after == {NEW_VERSION}
+        assert_nothing_refused(load, database, (started, finished), after, "release")
         assert metrics.status == 200
         assert "petstore_http_requests_total" in metrics.raw.decode(), metrics.raw[:300]
-        rows = load.rows(lambda: db.connect(config.from_environ({"DATABASE_URL": database})))
-        assert sum(rows.values()) == len(load.created) and set(rows.values()) == {1}
-        assert len(during) > 50
 
 
 class ReleasedGunicorn(DeployedGunicorn):
@@ -244,10 +267,7 @@ def test_hosts_behind_nginx_are_replaced_one_at_a_time_without_a_refused_request
     releases: tuple[Path, Path], database_url: str, tmp_path: Path
 ) -> None:
     old, new = releases
-    with empty_database(database_url, "_rolling") as database:
-        with db.connect(config.from_environ({"DATABASE_URL": database})) as conn:
-            migrations.upgrade(conn)
-            key, _row = keys.issue_key(conn, "enterprise", "rolling", 1_000_000, 10_000_000)
+    with keyed_database(database_url, "rolling") as (database, key):
         environ = {"DATABASE_URL": database, "RATELIMIT_STORAGE_URI": "memory://"}
         with ExitStack() as stack:
             hosts = [
@@ -258,12 +278,7 @@ def test_hosts_behind_nginx_are_replaced_one_at_a_time_without_a_refused_request
             ]
             addresses = [host.address for host in hosts]
             proxy = stack.enter_context(Nginx(addresses, tmp_path / "nginx"))
-            load = MixedLoad(proxy.url, key, "rolling", clients=8)
-            stop = threading.Event()
-            loading = threading.Thread(target=load.run, args=(10**9, stop))
-            loading.start()
-            try:
-                time.sleep(2)
+            with under_load(proxy.url, key, "rolling") as load:
                 started = time.monotonic()
                 for n, host in enumerate(hosts):
                     reload_without(proxy, addresses, drained=host.address)
@@ -274,23 +289,7 @@ def test_hosts_behind_nginx_are_replaced_one_at_a_time_without_a_refused_request
                     stack.enter_context(replacement)
                     reload_without(proxy, addresses, drained=None)
                 finished = time.monotonic()
-                time.sleep(2)
-            finally:
-                stop.set()
-                loading.join(timeout=60)
             after = versions(proxy.url)
-        statuses = {answer.status for answer in load.answers}
-        during = [a for a in load.answers if started <= a.started <= finished]
-        print(
-            f"\nrolling release of 2 hosts took {finished - started:.1f} s; "
-            f"{len(load.answers)} answers, {len(during)} during it, p99 during "
-            f"{p99(during) * 1000:.1f} ms, statuses {sorted(statuses)}, {len(load.created)} created"
+        assert_nothing_refused(
+            load, database, (started, finished), after, "rolling release of 2 hosts"
         )
-
-        assert load.failures == []
-        assert statuses <= {200, 201}, sorted(statuses)
-        assert load.abandoned == []
-        assert after == {NEW_VERSION}
-        rows = load.rows(lambda: db.connect(config.from_environ({"DATABASE_URL": database})))
-        assert sum(rows.values()) == len(load.created) and set(rows.values()) == {1}
-        assert len(during) > 50

@@ -14,7 +14,7 @@ import pytest
 import requests
 from flask import Flask
 
-from petstore import config, create_app, db, devserver, keys, migrations
+from petstore import config, create_app, db, keys
 from tests.support.checks import Answer, assert_error, burst, flask_getter, http_getter
 from tests.support.servers import Gunicorn, ThrowawayPostgres
 
@@ -65,9 +65,7 @@ class Outage:
 def throwaway_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThrowawayPostgres]:
     """A PostgreSQL cluster of this module's own with a migrated database; stopped at the end."""
     with ThrowawayPostgres(tmp_path_factory.mktemp("outage") / "pgdata") as cluster:
-        devserver.ensure_database(cluster.url(), APP_DBNAME)
-        with db.connect(config.from_environ({"DATABASE_URL": cluster.url(APP_DBNAME)})) as conn:
-            migrations.upgrade(conn)
+        cluster.migrated_database(APP_DBNAME)
         yield cluster
 
 

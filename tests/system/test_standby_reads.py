@@ -82,6 +82,17 @@ def wait_for(condition: Callable[[], bool], within: float, what: str) -> None:
     assert poll_until(condition, bool, within, interval=0.1), f"not {what} within {within} s"
 
 
+def wait_for_replay(pair: Pair, count: str, more_than: int, what: str) -> None:
+    """Wait (bounded) until `count` (a `select count(*) as n`) on the standby is over `more_than`,
+    then past the next lag check: the service knows the standby has replayed `what`."""
+    wait_for(
+        lambda: pair.on_standby(count)["n"] > more_than,
+        REPLAYED_WITHIN,
+        f"{what} replayed on the standby",
+    )
+    time.sleep(db.LAG_CHECK_SECONDS)
+
+
 def new_key(pair: Pair) -> dict[str, str]:
     """The headers of a new key, stored on the primary."""
     with db.connect(config.from_environ({"DATABASE_URL": pair.primary.url("petstore")})) as conn:
@@ -108,12 +119,7 @@ def test_a_standby_further_behind_than_the_bound_is_not_read_from(pair: Pair, ap
     answers); once the standby has replayed it, listings are the standby's again."""
     client = app.test_client()
     headers = new_key(pair)
-    wait_for(
-        lambda: pair.on_standby("select count(*) as n from api_keys")["n"] > 0,
-        REPLAYED_WITHIN,
-        "the key replayed on the standby",
-    )
-    time.sleep(db.LAG_CHECK_SECONDS)
+    wait_for_replay(pair, "select count(*) as n from api_keys", 0, "the key")
     listed_ids(client, headers)  # caught up: the standby answers
 
     created = client.post("/v1/pets", headers=headers, json=NEW_PET)
@@ -127,12 +133,7 @@ def test_a_standby_further_behind_than_the_bound_is_not_read_from(pair: Pair, ap
     }, "the standby had replayed it already: the test proves nothing"
     assert standby_answered(app) == 1  # the first listing only: the primary answered this one
 
-    wait_for(
-        lambda: pair.on_standby("select count(*) as n from pets")["n"] > 0,
-        REPLAYED_WITHIN,
-        "the pet replayed on the standby",
-    )
-    time.sleep(db.LAG_CHECK_SECONDS)
+    wait_for_replay(pair, "select count(*) as n from pets", 0, "the pet")
     assert pet_id in listed_ids(client, headers)
     assert standby_answered(app) == 2  # caught up again: the standby's
 
@@ -142,12 +143,7 @@ def test_reads_return_to_a_restarted_standby_within_2_s(pair: Pair, app: Flask) 
     are answered throughout (by the primary meanwhile) and are the standby's again within 2 s."""
     client = app.test_client()
     headers = new_key(pair)
-    wait_for(
-        lambda: pair.on_standby("select count(*) as n from api_keys")["n"] > 1,
-        REPLAYED_WITHIN,
-        "the key replayed on the standby",
-    )
-    time.sleep(db.LAG_CHECK_SECONDS)
+    wait_for_replay(pair, "select count(*) as n from api_keys", 1, "the key")
     # The read pool full of connections to the standby, all about to be cut.
     wait_for(
         lambda: app.extensions["petstore.read_pool"].get_stats()["pool_available"] >= 4,

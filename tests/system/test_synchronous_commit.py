@@ -22,7 +22,7 @@ from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.errors import Diagnostic
 
-from petstore import config, create_app, db, devserver, keys, migrations
+from petstore import config, create_app, db, keys
 from tests.support.checks import assert_error
 from tests.support.servers import ThrowawayPostgres, poll_until
 
@@ -44,9 +44,7 @@ NEW_PET = {"name": "Waits", "categoryId": 3, "status": "available"}
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThrowawayPostgres]:
     """A migrated database on a PostgreSQL of this module's own."""
     with ThrowawayPostgres(tmp_path_factory.mktemp("sync") / "pgdata") as cluster:
-        devserver.ensure_database(cluster.url(), APP_DBNAME)
-        with db.connect(config.from_environ({"DATABASE_URL": cluster.url(APP_DBNAME)})) as conn:
-            migrations.upgrade(conn)
+        cluster.migrated_database(APP_DBNAME)
         yield cluster
 
 
