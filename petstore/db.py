@@ -430,8 +430,8 @@ def replication_wait_cancelled(diagnostic: Diagnostic) -> bool:
     "canceling wait for synchronous replication due to user request" (a cancel), or "canceling
     the wait for synchronous replication and terminating connection ..." (a shutdown), both with
     "The transaction has already committed locally, but might not have been replicated to the
-    standby.". Its SQLSTATE is the generic 01000 (or 57P01), so the message is what tells it:
-    the servers' lc_messages must be English (C or en_*, docs/deploying.rst).
+    standby.". Its SQLSTATE is the generic 01000 (or 57P01), so only the English text tells it;
+    durable_write does not depend on it (a write the watch cancelled that then returns is one).
     """
     return "wait for synchronous replication" in (diagnostic.message_primary or "")
 
@@ -448,6 +448,7 @@ class CommitWatch:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._due: dict[int, tuple[float, Connection]] = {}
+        self._cancelled: set[int] = set()
         self._tokens = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -464,10 +465,13 @@ class CommitWatch:
                 self._thread.start()
         return token
 
-    def unwatch(self, token: int) -> None:
-        """The write ended: no cancel."""
+    def unwatch(self, token: int) -> bool:
+        """The write ended: no cancel. Whether it was cancelled meanwhile."""
         with self._lock:
-            self._due.pop(token, None)
+            if self._due.pop(token, None) is not None:
+                return False
+            self._cancelled.discard(token)
+            return True
 
     def _run(self) -> None:
         while True:
@@ -476,6 +480,7 @@ class CommitWatch:
             with self._lock:
                 expired = [token for token, (due, _) in self._due.items() if due <= now]
                 conns = [self._due.pop(token)[1] for token in expired]
+                self._cancelled.update(expired)
             for conn in conns:
                 # psycopg's cancel may come from another thread; it connects to the server, so
                 # each in a thread of its own: a silent server holds up no other cancel.
@@ -500,7 +505,10 @@ def durable_write(conn: Connection) -> Iterator[None]:
     A cancelled wait leaves the commit on this server only, which a failover may throw away:
     PostgreSQL says so in a WARNING, and the block raises CommitNotReplicated (a 503 with
     Retry-After; the client's retry with its Idempotency-Key finds the record only where the
-    commit is, and idempotency.replay waits for it to be replicated before answering).
+    commit is, and idempotency.replay waits for it to be replicated before answering). A block
+    that returns after the watch cancelled it raises the same, WARNING or not: in another
+    lc_messages the WARNING's text is not recognised, and a cancel that came too late to end
+    anything cannot be told from one that ended the wait.
     """
     cancelled: list[str] = []
 
@@ -516,10 +524,12 @@ def durable_write(conn: Connection) -> Iterator[None]:
     try:
         yield
     finally:
-        watch.unwatch(token)
+        watched_out = watch.unwatch(token)
         conn.remove_notice_handler(notice)
     if cancelled:
         raise CommitNotReplicated(cancelled[0])
+    if watched_out:
+        raise CommitNotReplicated(f"the write was cancelled after {bound:g} s")
 
 
 def connect(config: dict[str, Any]) -> Connection:

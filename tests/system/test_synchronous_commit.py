@@ -201,3 +201,17 @@ def test_a_ban_whose_commit_waits_is_cancelled_and_the_429_answers(
     finally:
         app.extensions["petstore.pool"].close()
         wait_for_standby_named(server, "")
+
+
+def test_a_cancelled_wait_is_a_503_whatever_the_warnings_language(
+    server: ThrowawayPostgres, app: Flask, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In another lc_messages the WARNING's text is not recognised: the write the watch cancelled
+    is a 503 all the same, never a 201."""
+    monkeypatch.setattr(db, "replication_wait_cancelled", lambda _diagnostic: False)
+    client = app.test_client()
+    wait_for_standby_named(server, "nobody")
+    response, took = create(client, key, None, "Untranslated")
+    assert_error(response, 503, "service_unavailable")
+    assert took < ANSWERED_WITHIN, took
+    assert count_named(server, "Untranslated") == 1  # committed here alone
