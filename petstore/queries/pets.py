@@ -4,12 +4,14 @@ PostgreSQL writes each Pet's JSON itself, with the SQL function pet_json (sql/00
 an unstated status is left out), in the shape of schemas.PetSchema: the service sends those
 bytes as they come, with no Python object per pet on the way.
 
-A page's LIMIT is written into its statement, not sent as a parameter: PostgreSQL plans a
-prepared statement's `limit $n` for a tenth of the rows it could return, a cost that grows with
-the table, so past about a million pets it re-planned every page for want of a cheap generic
-plan, and the first page at any size. With the number in the text, each page size has its own
-prepared statement whose generic plan is the custom one, planned once per connection
-(docs/performance.rst says what it gained).
+A page's LIMIT, and its status filter, are written into its statement, not sent as parameters:
+PostgreSQL plans a prepared statement's parameters once for all their values (its generic plan).
+It costs `limit $n` as a tenth of the table, a cost that grows with the table, so it planned the
+first page anew at every call and the filtered page past about 100,000 pets; and `status = $1`
+as any status, so on a table where one status came to dominate, the generic plan it kept read
+far more rows than the one for that status. With the values in the text, each page size (and
+status) has its own statement, whose only parameter, the keyset's `after`, cannot change its
+plan: planned once per connection, at any size and any mix of statuses (docs/performance.rst).
 """
 
 from __future__ import annotations
@@ -22,16 +24,18 @@ from psycopg import sql
 from petstore.db import Connection
 
 
-@functools.lru_cache(maxsize=256)
-def with_limit(statement: str, limit: int) -> str:
-    """`statement` with its `{limit}` replaced by the number `limit`: one text per page size."""
-    return sql.SQL(statement).format(limit=sql.Literal(int(limit))).as_string(None)
+@functools.lru_cache(maxsize=512)
+def written(statement: str, **values: int | str) -> str:
+    """`statement` with each `{name}` replaced by the literal of `values[name]`: one text per
+    page size and status, made once."""
+    literals = {name: sql.Literal(value) for name, value in values.items()}
+    return sql.SQL(statement).format(**literals).as_string(None)
 
 
 def list_pets(conn: Connection, *, after: int, limit: int) -> dict[str, Any]:
     """One keyset page over the primary key: {"pets": JSON array text, "count", "last_id"}."""
     row = conn.execute(
-        with_limit(
+        written(
             """
             select coalesce(json_agg(pet_json(id, name, category_id, status) order by id),
                             '[]')::text as pets,
@@ -43,7 +47,7 @@ def list_pets(conn: Connection, *, after: int, limit: int) -> dict[str, Any]:
                      order by id
                      limit {limit}) page
             """,
-            limit,
+            limit=int(limit),
         ),
         {"after": after},
     ).fetchone()
@@ -54,7 +58,7 @@ def list_pets(conn: Connection, *, after: int, limit: int) -> dict[str, Any]:
 def list_pets_by_status(conn: Connection, *, status: str, after: int, limit: int) -> dict[str, Any]:
     """One keyset page of one status over (status, id): {"pets", "count", "last_id"}."""
     row = conn.execute(
-        with_limit(
+        written(
             """
             select coalesce(json_agg(pet_json(id, name, category_id, status) order by id),
                             '[]')::text as pets,
@@ -62,14 +66,15 @@ def list_pets_by_status(conn: Connection, *, status: str, after: int, limit: int
                    max(id) as last_id
               from (select id, name, category_id, status
                       from pets
-                     where status = %(status)s
+                     where status = {status}
                        and id > %(after)s
                      order by id
                      limit {limit}) page
             """,
-            limit,
+            status=str(status),
+            limit=int(limit),
         ),
-        {"status": status, "after": after},
+        {"after": after},
     ).fetchone()
     assert row is not None
     return row
