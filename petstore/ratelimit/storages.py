@@ -13,7 +13,7 @@ and end. Two changes to the `limits` storages, found by profiling the request pa
 - Redis: each thread sends the scripts on a connection of its own, made on first use in the
   process that uses it. redis-py's client takes a connection from its pool and gives it back
   around every command, through its retry and observability layers, which cost more CPU than
-  the command itself (bench/results/2026-11-27-quiet-create.md). A failed call closes the
+  the command itself (bench/results/2026-11-27-quiet/create.md). A failed call closes the
   connection and raises, as the client would: the limiter then counts in its in-memory
   fallback until Redis answers again; the next call connects anew.
 - Memory: limits' MemoryStorage starts a timer thread whenever its last one has finished,
