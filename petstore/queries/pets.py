@@ -4,14 +4,14 @@ PostgreSQL writes each Pet's JSON itself, with the SQL function pet_json (sql/00
 an unstated status is left out), in the shape of schemas.PetSchema: the service sends those
 bytes as they come, with no Python object per pet on the way.
 
-A page's LIMIT, and its status filter, are written into its statement, not sent as parameters:
-PostgreSQL plans a prepared statement's parameters once for all their values (its generic plan).
-It costs `limit $n` as a tenth of the table, a cost that grows with the table, so it planned the
-first page anew at every call and the filtered page past about 100,000 pets; and `status = $1`
-as any status, so on a table where one status came to dominate, the generic plan it kept read
-far more rows than the one for that status. With the values in the text, each page size (and
-status) has its own statement, whose only parameter, the keyset's `after`, cannot change its
-plan: planned once per connection, at any size and any mix of statuses (docs/performance.rst).
+A page's LIMIT and status filter are written into its statement (page_statement), not sent as
+parameters: PostgreSQL plans a prepared statement once for all its parameters' values (its
+generic plan) once it finds that plan no dearer than the ones made for the values. It costs
+`limit $n` as a tenth of the table, a cost that grows with the table, so it planned the first
+page anew at every call and the filtered page past about 100,000 pets; and it plans `status =
+$1` for no status in particular. With the values in the text, each page size and status has a
+statement of its own, whose one parameter, the keyset's `after`, leaves its plan as it is:
+planned once per connection at any size (docs/performance.rst).
 """
 
 from __future__ import annotations
@@ -25,17 +25,12 @@ from petstore.db import Connection
 
 
 @functools.lru_cache(maxsize=512)
-def written(statement: str, **values: int | str) -> str:
-    """`statement` with each `{name}` replaced by the literal of `values[name]`: one text per
-    page size and status, made once."""
-    literals = {name: sql.Literal(value) for name, value in values.items()}
-    return sql.SQL(statement).format(**literals).as_string(None)
-
-
-def list_pets(conn: Connection, *, after: int, limit: int) -> dict[str, Any]:
-    """One keyset page over the primary key: {"pets": JSON array text, "count", "last_id"}."""
-    row = conn.execute(
-        written(
+def page_statement(limit: int, status: str | None) -> str:
+    """One keyset page's statement with its LIMIT and status (when one is asked) written in, made
+    once per page size and status; its one parameter is `after`."""
+    only = sql.SQL("status = {} and").format(sql.Literal(status)) if status else sql.SQL("")
+    return (
+        sql.SQL(
             """
             select coalesce(json_agg(pet_json(id, name, category_id, status) order by id),
                             '[]')::text as pets,
@@ -43,39 +38,26 @@ def list_pets(conn: Connection, *, after: int, limit: int) -> dict[str, Any]:
                    max(id) as last_id
               from (select id, name, category_id, status
                       from pets
-                     where id > %(after)s
+                     where {only} id > %(after)s
                      order by id
                      limit {limit}) page
-            """,
-            limit=int(limit),
-        ),
-        {"after": after},
-    ).fetchone()
+            """
+        )
+        .format(only=only, limit=sql.Literal(limit))
+        .as_string(None)
+    )
+
+
+def list_pets(conn: Connection, *, after: int, limit: int) -> dict[str, Any]:
+    """One keyset page over the primary key: {"pets": JSON array text, "count", "last_id"}."""
+    row = conn.execute(page_statement(int(limit), None), {"after": after}).fetchone()
     assert row is not None
     return row
 
 
 def list_pets_by_status(conn: Connection, *, status: str, after: int, limit: int) -> dict[str, Any]:
-    """One keyset page of one status over (status, id): {"pets", "count", "last_id"}."""
-    row = conn.execute(
-        written(
-            """
-            select coalesce(json_agg(pet_json(id, name, category_id, status) order by id),
-                            '[]')::text as pets,
-                   count(*) as count,
-                   max(id) as last_id
-              from (select id, name, category_id, status
-                      from pets
-                     where status = {status}
-                       and id > %(after)s
-                     order by id
-                     limit {limit}) page
-            """,
-            status=str(status),
-            limit=int(limit),
-        ),
-        {"after": after},
-    ).fetchone()
+    """One keyset page of one status: {"pets", "count", "last_id"}."""
+    row = conn.execute(page_statement(int(limit), str(status)), {"after": after}).fetchone()
     assert row is not None
     return row
 
