@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from limits.storage import (
     MemoryStorage,
@@ -35,9 +35,12 @@ from limits.storage import (
     RedisSentinelStorage,
     RedisStorage,
 )
-from redis.commands.core import Script
-from redis.connection import AbstractConnection
-from redis.exceptions import NoScriptError
+
+if TYPE_CHECKING:
+    # Only for annotations: redis is imported by limits when a redis:// storage is made, and
+    # a memory:// service never loads it.
+    from redis.commands.core import Script
+    from redis.connection import AbstractConnection
 
 # For each window (KEYS[i], started with ARGV[2i] seconds when new, allowing ARGV[2i+1]): INCRBY
 # ARGV[1], set the expiry of a new window, note the count and the window's time to live; stop
@@ -129,6 +132,8 @@ class CountingRedisStorage(RedisStorage):
         super().initialize_storage(uri)
         self.lua_incr_windows = self.get_connection().register_script(INCR_WINDOWS)
         self.lua_window_end = self.get_connection().register_script(WINDOW_END)
+        # What a Redis that lacks a script answers, from the redis package limits loaded.
+        self.no_script: type[Exception] = self.dependencies["redis"].module.exceptions.NoScriptError
 
     def incr_windows(
         self, windows: Sequence[StorageWindow], amount: int = 1
@@ -178,7 +183,7 @@ class CountingRedisStorage(RedisStorage):
             try:
                 conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
                 return conn.read_response()
-            except NoScriptError:  # a new Redis, or one restarted empty
+            except self.no_script:  # a new Redis, or one restarted empty
                 conn.send_command("SCRIPT", "LOAD", script.script)
                 conn.read_response()
                 conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
