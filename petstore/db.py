@@ -526,6 +526,10 @@ def durable_write(conn: Connection) -> Iterator[None]:
     finally:
         watched_out = watch.unwatch(token)
         conn.remove_notice_handler(notice)
+        if watched_out:
+            # The watch's cancel may still be on its way: no later statement may meet it. The
+            # pool replaces a connection that comes back closed.
+            conn.close()
     if cancelled:
         raise CommitNotReplicated(cancelled[0])
     if watched_out:

@@ -210,8 +210,12 @@ def test_a_cancelled_wait_is_a_503_whatever_the_warnings_language(
     is a 503 all the same, never a 201."""
     monkeypatch.setattr(db, "replication_wait_cancelled", lambda _diagnostic: False)
     client = app.test_client()
+    pool = app.extensions["petstore.pool"]
+    returned_closed = pool.get_stats().get("returns_bad", 0)
     wait_for_standby_named(server, "nobody")
     response, took = create(client, key, None, "Untranslated")
     assert_error(response, 503, "service_unavailable")
     assert took < ANSWERED_WITHIN, took
     assert count_named(server, "Untranslated") == 1  # committed here alone
+    # Closed, not reused: the watch's cancel cannot reach a later request's statement.
+    assert pool.get_stats().get("returns_bad", 0) == returned_closed + 1
