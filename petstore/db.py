@@ -448,7 +448,6 @@ class CommitWatch:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._due: dict[int, tuple[float, Connection]] = {}
-        self._cancelled: set[int] = set()
         self._tokens = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -466,12 +465,9 @@ class CommitWatch:
         return token
 
     def unwatch(self, token: int) -> bool:
-        """The write ended: no cancel. Whether it was cancelled meanwhile."""
+        """The write ended: no cancel. Whether it was cancelled meanwhile (the watch took it)."""
         with self._lock:
-            if self._due.pop(token, None) is not None:
-                return False
-            self._cancelled.discard(token)
-            return True
+            return self._due.pop(token, None) is None
 
     def _run(self) -> None:
         while True:
@@ -480,7 +476,6 @@ class CommitWatch:
             with self._lock:
                 expired = [token for token, (due, _) in self._due.items() if due <= now]
                 conns = [self._due.pop(token)[1] for token in expired]
-                self._cancelled.update(expired)
             for conn in conns:
                 # psycopg's cancel may come from another thread; it connects to the server, so
                 # each in a thread of its own: a silent server holds up no other cancel.

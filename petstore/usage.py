@@ -97,9 +97,7 @@ class UsageCounter:
         """Counts a flush could not write: added to the next batch."""
         with self.lock:
             for slot, outcomes in counts.items():
-                mine = self.counts.setdefault(slot, [0, 0, 0, 0])
-                for index, requests in enumerate(outcomes):
-                    mine[index] += requests
+                add_outcomes(self.counts, slot, outcomes)
 
     def flush(self, app: Flask, pool: psycopg_pool.ConnectionPool[Any]) -> int:
         """Write the counts in one statement; how many (key, hour) rows. Kept on failure."""
@@ -121,6 +119,13 @@ class UsageCounter:
             return len(rows)
 
 
+def add_outcomes(into: dict[Any, list[int]], slot: Any, outcomes: list[int]) -> None:
+    """Add requests by outcome to `into[slot]` (zeros when new)."""
+    mine = into.setdefault(slot, [0, 0, 0, 0])
+    for index, requests in enumerate(outcomes):
+        mine[index] += requests
+
+
 def plan_totals(counts: Counts) -> dict[tuple[str, str], int]:
     """Requests by (plan, outcome) of a batch: Prometheus's bounded labels."""
     totals: dict[tuple[str, str], int] = {}
@@ -136,9 +141,7 @@ def batch_rows(counts: Counts) -> list[tuple[int, datetime, int, int, int, int]]
     """The rows of usage_sql.add_usage, sorted by (key id, hour), plans merged."""
     merged: dict[tuple[int, int], list[int]] = {}
     for (key_id, _plan, hour), outcomes in counts.items():
-        mine = merged.setdefault((key_id, hour), [0, 0, 0, 0])
-        for index, requests in enumerate(outcomes):
-            mine[index] += requests
+        add_outcomes(merged, (key_id, hour), outcomes)
     return [
         (key_id, datetime.fromtimestamp(hour, UTC), *outcomes)  # type: ignore[misc]
         for (key_id, hour), outcomes in sorted(merged.items())
