@@ -13,7 +13,6 @@ import glob
 import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from typing import Any
@@ -97,14 +96,22 @@ bind = _env("BIND", "127.0.0.1:8000").split(",")
 # memory:// counts in one process, so it gets one gthread worker with 4 threads.
 _shared_storage = not _env("RATELIMIT_STORAGE_URI", "memory://").startswith("memory://")
 # GUNICORN_WORKER_CLASS: sync (one request at a time per worker) or gthread (threads).
-worker_class = _env("GUNICORN_WORKER_CLASS", "sync" if _shared_storage else "gthread")
+_worker = _env("GUNICORN_WORKER_CLASS", "sync" if _shared_storage else "gthread")
 # WEB_CONCURRENCY: worker processes.
 workers = _count("WEB_CONCURRENCY", multiprocessing.cpu_count() + 1 if _shared_storage else 1)
-# PETSTORE_THREADS: threads per worker (gunicorn serves a sync worker given more than one with
-# gthread); each thread may hold one pooled connection, so the pool is sized to match unless
-# PETSTORE_DB_POOL_SIZE says otherwise.
-threads = _count("PETSTORE_THREADS", 1 if worker_class == "sync" else 4)
+# PETSTORE_THREADS: threads per worker (a sync worker given more than one is a gthread worker,
+# as gunicorn would make it); each thread may hold one pooled connection, so the pool is sized
+# to match unless PETSTORE_DB_POOL_SIZE says otherwise.
+threads = _count("PETSTORE_THREADS", 1 if _worker == "sync" else 4)
+if _worker == "sync" and threads > 1:
+    _worker = "gthread"
 os.environ.setdefault("PETSTORE_DB_POOL_SIZE", str(threads))
+# Both are gunicorn's, except that a stopping worker stops listening at once (petstore.overrides);
+# another class named here is used as it is.
+worker_class = {
+    "sync": "petstore.overrides.SyncWorker",
+    "gthread": "petstore.overrides.ThreadWorker",
+}.get(_worker, _worker)
 
 # GUNICORN_TIMEOUT: a worker silent this long is killed and replaced. Requests themselves are
 # bounded far below it (pool wait, statement timeout, Redis timeout).
@@ -155,24 +162,6 @@ logconfig_dict = {
 
 # Several instances may run on one host; gunicorn's default control socket path is shared.
 control_socket_disable = True
-
-
-def post_worker_init(worker: Any) -> None:
-    """On SIGTERM, close this worker's copy of the listening sockets at once.
-
-    A gthread worker that stops keeps the listening socket open until it exits: the kernel
-    still accepts connections that nobody will serve, and they are reset when the worker
-    goes. Closing it first makes new connections fail fast, so nginx sends them, POSTs
-    included, to another instance.
-    """
-    handle_exit = worker.handle_exit
-
-    def stop_listening_then_exit(signum: int, frame: Any) -> None:
-        handle_exit(signum, frame)
-        for listener in worker.sockets:
-            listener.sock.close()
-
-    signal.signal(signal.SIGTERM, stop_listening_then_exit)
 
 
 def on_starting(server: Any) -> None:

@@ -20,12 +20,18 @@ The other places that rely on a library's internals, each checked by a test of i
   (tests/app/test_storages.py);
 - petstore/metrics.py: the private bucket counters and sum of prometheus_client's Histogram
   (tests/app/test_metrics.py);
-- deploy/gunicorn.conf.py: `post_worker_init` wraps a worker's `handle_exit` and closes its
-  `sockets` on SIGTERM (tests/system/test_faults.py, tests/system/test_hosts.py).
+
+gunicorn's workers: a worker told to stop (SIGTERM) keeps its copy of the listening sockets open
+until it exits, so the kernel goes on accepting connections that it will never serve, and resets
+them when it goes. `SyncWorker` and `ThreadWorker` (deploy/gunicorn.conf.py's worker classes)
+close it as soon as they stop accepting: with no other process listening, a new connection is
+refused at once and nginx sends it, POSTs included, to another instance; during a release
+(USR2), the new master's workers accept it.
 """
 
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import uuid
@@ -35,6 +41,8 @@ from typing import Any
 import gunicorn.glogging
 import gunicorn.util
 import gunicorn.workers.base
+import gunicorn.workers.gthread
+import gunicorn.workers.sync
 
 # What gunicorn refuses with (Worker.handle_error) -> what the client gets: the same codes and
 # messages as nginx's own refusals (deploy/nginx/petstore.conf), so both layers answer alike.
@@ -133,3 +141,45 @@ class NoAccessLogger(gunicorn.glogging.Logger):  # type: ignore[misc]
 
     def access(self, resp: Any, req: Any, environ: Any, request_time: Any) -> None:
         """Nothing: no access line is wanted from gunicorn."""
+
+
+def close_listeners(worker: Any) -> None:
+    """Close the worker's own copy of each listening socket (the wrappers stay, now closed)."""
+    for listener in worker.sockets:
+        listener.sock.close()
+
+
+class SyncWorker(gunicorn.workers.sync.SyncWorker):  # type: ignore[misc]
+    """gunicorn's sync worker, which closes its listening sockets as soon as SIGTERM stops it.
+
+    It serves one request at a time and checks `alive` after each, so the signal handler can
+    close them at once: the worker's `wait` takes a closed socket for its cue to stop, and an
+    `accept` the signal overtook (a bad descriptor, on a worker no longer alive) is the same cue.
+    """
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        close_listeners(self)
+
+    def accept(self, listener: Any) -> None:
+        try:
+            super().accept(listener)
+        except OSError as exc:
+            if exc.errno != errno.EBADF or self.alive:
+                raise
+
+
+class ThreadWorker(gunicorn.workers.gthread.ThreadWorker):  # type: ignore[misc]
+    """gunicorn's gthread worker, which closes its listening sockets once it stops accepting.
+
+    On SIGTERM its loop ends, takes the sockets off its poller (`set_accept_enabled(False)`),
+    then serves what it has accepted for up to graceful_timeout. They are closed right there:
+    not in the signal handler, where the loop may be about to accept on them (a closed socket
+    there raised out of the loop and ended the worker without serving what it had accepted),
+    and not before they leave the poller, which could not unregister a closed descriptor.
+    """
+
+    def set_accept_enabled(self, enabled: bool) -> None:
+        super().set_accept_enabled(enabled)
+        if not self.alive:
+            close_listeners(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import selectors
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ from flask_limiter import Limiter
 from gunicorn.config import Config
 from gunicorn.glogging import Logger
 from gunicorn.http import errors as http_errors
+from gunicorn.sock import TCPSocket
 from gunicorn.workers.gthread import ThreadWorker
 from gunicorn.workers.sync import SyncWorker
 from limits.strategies import FixedWindowRateLimiter, RateLimiter
@@ -320,3 +322,53 @@ def test_threads_failing_at_once_switch_to_the_fallback_once() -> None:
         counted = list(pool.map(lambda _: count(), range(8)))
     assert counted == [True] * 8, "each request counted in the fallback"
     assert switches == [1]
+
+
+@pytest.fixture
+def listener() -> Iterator[Any]:
+    """A gunicorn listening socket on a free loopback port, closed at the end."""
+    cfg = Config()
+    sock = TCPSocket(("127.0.0.1", 0), cfg, Logger(cfg))
+    yield sock
+    sock.close()
+
+
+def worker_on(worker_class: type[Any], listener: Any) -> Any:
+    cfg = Config()
+    return worker_class(0, 0, [listener], None, 30, cfg, Logger(cfg))
+
+
+def test_a_stopping_thread_worker_stops_listening_once_its_poller_lets_go(listener: Any) -> None:
+    worker = worker_on(overrides.ThreadWorker, listener)
+    worker.poller = selectors.DefaultSelector()
+    worker.alive = True
+    worker.set_accept_enabled(True)
+    worker.set_accept_enabled(False)
+    # Running, it leaves its listener open when it is full (worker_connections reached).
+    assert listener.sock.fileno() != -1
+    worker.set_accept_enabled(True)
+    worker.alive = False  # what handle_exit does on SIGTERM; the loop then stops accepting
+    worker.set_accept_enabled(False)
+    assert listener.sock.fileno() == -1
+    assert worker.poller.get_map() == {}
+    # The end of gunicorn's run closes it again, harmlessly.
+    worker.tmp.close()
+    listener.close()
+
+
+def test_a_sync_worker_stops_listening_on_sigterm_and_takes_a_lost_accept_for_its_cue(
+    listener: Any,
+) -> None:
+    worker = worker_on(overrides.SyncWorker, listener)
+    worker.alive = True
+    listener.setblocking(0)
+    with pytest.raises(BlockingIOError):
+        worker.accept(listener)  # nothing to accept: gunicorn's loop takes this in its stride
+    worker.handle_exit(15, None)
+    assert worker.alive is False
+    assert listener.sock.fileno() == -1
+    worker.accept(listener)  # the accept the signal overtook returns, so the loop can end
+    worker.alive = True
+    with pytest.raises(OSError):
+        worker.accept(listener)  # a bad descriptor on a running worker is still an error
+    worker.tmp.close()

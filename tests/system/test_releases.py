@@ -151,6 +151,14 @@ def assert_nothing_refused(
     assert len(during) > 50
 
 
+def assert_no_worker_failed(logs: list[Path]) -> None:
+    """No worker ended by an exception (gunicorn logs "Exception in worker process"): one that did
+    left the connections it had accepted unanswered (a stopping gthread worker did, every time,
+    when its listening socket was closed in its SIGTERM handler)."""
+    for log in logs:
+        assert "Exception in worker process" not in log.read_text(encoding="utf-8"), log.name
+
+
 def test_usr2_replaces_the_running_version_without_a_refused_request(
     releases: tuple[Path, Path], database_url: str, tmp_path: Path
 ) -> None:
@@ -217,6 +225,7 @@ def test_usr2_replaces_the_running_version_without_a_refused_request(
                 pass
             master.wait(timeout=10)
         assert_nothing_refused(load, database, (started, finished), after, "release")
+        assert_no_worker_failed([tmp_path / "gunicorn.log"])
         assert metrics.status == 200
         assert "petstore_http_requests_total" in metrics.raw.decode(), metrics.raw[:300]
 
@@ -293,3 +302,4 @@ def test_hosts_behind_nginx_are_replaced_one_at_a_time_without_a_refused_request
         assert_nothing_refused(
             load, database, (started, finished), after, "rolling release of 2 hosts"
         )
+        assert_no_worker_failed(sorted(tmp_path.glob("*.log")))
