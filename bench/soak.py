@@ -27,7 +27,6 @@ import random
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -400,15 +399,12 @@ def soak(args: argparse.Namespace, workdir: Path) -> Run:
         load = SoakLoad(
             stack.service.url, stack.cluster.key, "soak", clients=args.clients, create_deadline=60
         )
-        stop = threading.Event()
-        runner = threading.Thread(target=load.run, args=(10**9, stop), daemon=True)
         started = time.monotonic()
-        runner.start()
-        time.sleep(min(10.0, period / 4))  # every worker has its pool and has answered
-        rss_start = worker_rss(stack.service)
-        faults = []
-        cycle = stack.cycle()
-        try:
+        with load.running():
+            time.sleep(min(10.0, period / 4))  # every worker has its pool and has answered
+            rss_start = worker_rss(stack.service)
+            faults = []
+            cycle = stack.cycle()
             for number in range(max(1, round(args.minutes * 60 / period))):
                 at = started + (number + 0.5) * period
                 time.sleep(max(0.0, at - time.monotonic()))
@@ -419,9 +415,6 @@ def soak(args: argparse.Namespace, workdir: Path) -> Run:
                 print(f"{began - started:7.0f} s  {name}: {what}", flush=True)
             time.sleep(max(0.0, started + args.minutes * 60 - time.monotonic()))
             rss_end = worker_rss(stack.service)
-        finally:
-            stop.set()
-            runner.join(timeout=60)
         ended = time.monotonic()
         names = load.rows(stack.cluster.connect)
         with stack.cluster.connect() as conn:

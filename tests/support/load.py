@@ -6,8 +6,9 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from petstore import db
@@ -118,6 +119,20 @@ class MixedLoad:
 
         with ThreadPoolExecutor(max_workers=self.clients) as executor:
             list(executor.map(client, range(self.clients)))
+
+    @contextmanager
+    def running(self, total: int = 10**9) -> Iterator[MixedLoad]:
+        """`run` in a thread of its own through the with block: stopped, and waited for (at most
+        a minute: a request is bounded by HTTP_TIMEOUT), when the block ends."""
+        stop = threading.Event()
+        runner = threading.Thread(target=self.run, args=(total, stop), daemon=True)
+        runner.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            runner.join(timeout=60)
+        assert not runner.is_alive(), "the load did not stop within a minute"
 
     def rows(self, connect: Callable[[], db.Connection]) -> Counter[str]:
         """The stored pets of this load by name, read on a connection from `connect`."""

@@ -46,6 +46,15 @@ def accepts_connections(port: int, host: str = LOOPBACK, timeout: float = 1.0) -
         return False
 
 
+def alive(pid: int) -> bool:
+    """Whether a process `pid` exists (a zombie included: its parent has not reaped it yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def log_tail(path: Path, lines: int = 40) -> str:
     """The last lines of a log file, or a note that there is none."""
     try:

@@ -26,7 +26,7 @@ import pytest
 from psycopg import conninfo, sql
 
 from tests.support.nginx import Nginx, nginx_binary
-from tests.support.servers import LOOPBACK, ROOT, free_port, poll_until
+from tests.support.servers import LOOPBACK, ROOT, alive, free_port, poll_until
 
 SCRIPT = ROOT / "deploy" / "install.sh"
 
@@ -112,14 +112,6 @@ def workers_of(pid: int) -> list[int]:
 def environ_of(pid: int) -> dict[str, str]:
     entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_install_script_serves_a_key_on_a_fresh_role_and_database(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,19 +118,12 @@ def test_an_index_built_concurrently_and_a_column_added_under_load_cost_no_error
         before = MixedLoad(server.url, key, "before", clients=LOAD_CLIENTS)
         before.run(1200)
 
-        during = MixedLoad(server.url, key, "during", clients=LOAD_CLIENTS)
-        stop = threading.Event()
-        loading = threading.Thread(target=during.run, args=(10**9, stop))
-        loading.start()
-        try:
+        with MixedLoad(server.url, key, "during", clients=LOAD_CLIENTS).running() as during:
             time.sleep(1)  # the load is running before the migration starts
             started = time.monotonic()
             done = upgrade(million_pets, directory)
             finished = time.monotonic()
             time.sleep(0.5)
-        finally:
-            stop.set()
-            loading.join(timeout=60)
     took = finished - started
     in_window = [a for a in during.answers if started <= a.started <= finished]
     print(
@@ -171,19 +163,13 @@ def test_a_migration_behind_a_long_transaction_gives_up_and_the_load_never_waits
     environ = {"DATABASE_URL": million_pets, "RATELIMIT_STORAGE_URI": "memory://"}
     with Gunicorn(environ, tmp_path / "gunicorn.log", workers=1, threads=8) as server:
         load = MixedLoad(server.url, key, "blocked", clients=8)
-        stop = threading.Event()
-        loading = threading.Thread(target=load.run, args=(10**9, stop))
         with psycopg.connect(million_pets, application_name="long-report") as holder:
             holder.execute("select count(*) from pets where category_id = 1")  # stays open
-            loading.start()
-            try:
+            with load.running():
                 time.sleep(1)
                 started = time.monotonic()
                 gave_up = upgrade(million_pets, directory, **limits)
                 finished = time.monotonic()
-            finally:
-                stop.set()
-                loading.join(timeout=60)
             holder_pid = holder.info.backend_pid
         rerun = upgrade(million_pets, directory, **limits)
     in_window = [a for a in load.answers if started <= a.started <= finished]

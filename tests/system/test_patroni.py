@@ -138,13 +138,9 @@ def under_load(
     """Run the mixed load, apply `fault`, wait (bounded) for writes to be back, run `then` (still
     under load), then tally."""
     # A create is retried past the longest outage the test allows.
-    load = MixedLoad(
+    with MixedLoad(
         service.url, cluster.key, label, clients=CLIENTS, create_deadline=2 * WRITES_BACK_WITHIN
-    )
-    stop = threading.Event()
-    runner = threading.Thread(target=load.run, args=(10**7, stop), daemon=True)
-    runner.start()
-    try:
+    ).running() as load:
         time.sleep(WARMUP)
         fault_at = time.monotonic()
         fault()
@@ -173,10 +169,6 @@ def under_load(
         if then is not None:
             then()
         time.sleep(AFTER_RECOVERY)
-    finally:
-        stop.set()
-        runner.join(timeout=60)
-    assert not runner.is_alive()
     # Once every create has its answer (each is retried until a 201): a create that failed after
     # the first 201 (a fault that takes a while to show) moves it on.
     back = writes_back_after()

@@ -282,11 +282,7 @@ def test_pgbouncer_restart_under_load(pooled: Pooled) -> None:
     """PgBouncer down: prompt 503s (no 500, no hang); back up: 200 again without restarting the service."""
     key = issue(pooled)
     with pooled.gunicorn("restart") as app:
-        load = MixedLoad(app.url, key, "restart")
-        stop = threading.Event()
-        runner = threading.Thread(target=load.run, args=(10**6, stop), daemon=True)
-        runner.start()
-        try:
+        with MixedLoad(app.url, key, "restart").running() as load:
             time.sleep(1.0)
             pooled.pgbouncer.stop()
             down_at = time.monotonic()
@@ -300,9 +296,6 @@ def test_pgbouncer_restart_under_load(pooled: Pooled) -> None:
             )
             recovered_after = time.monotonic() - down_at
             time.sleep(1.0)
-        finally:
-            stop.set()
-            runner.join(timeout=60)
     statuses = Counter(answer.status for answer in load.answers)
     rows = load.rows(pooled.direct)
     slowest = max(answer.elapsed for answer in load.answers)
@@ -311,7 +304,6 @@ def test_pgbouncer_restart_under_load(pooled: Pooled) -> None:
         f"slowest {slowest:.2f} s, recovered after {recovered_after:.2f} s, rows {sum(rows.values())}"
     )
     assert recovered == 200
-    assert not runner.is_alive()
     assert not load.failures, load.failures[:5]
     assert set(statuses) <= {200, 201, 503}, statuses
     assert statuses[503] > 0, "the outage was not seen"

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -27,7 +26,7 @@ from tests.support.checks import Answer, call
 from tests.support.databases import empty_database
 from tests.support.load import MixedLoad
 from tests.support.nginx import DeployedGunicorn, Nginx
-from tests.support.servers import LOOPBACK, ROOT, free_port
+from tests.support.servers import LOOPBACK, ROOT, alive, free_port
 
 NEW_VERSION = "1.1.0.post1"
 
@@ -66,14 +65,6 @@ def read_pid(path: Path) -> int | None:
         return int(path.read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def versions(url: str) -> set[str]:
@@ -115,17 +106,10 @@ def keyed_database(database_url: str, label: str) -> Iterator[tuple[str, str]]:
 @contextmanager
 def under_load(url: str, key: str, label: str) -> Iterator[MixedLoad]:
     """A mixed load of 8 clients on `url` through the with block, from 2 s before it to 2 s after."""
-    load = MixedLoad(url, key, label, clients=8)
-    stop = threading.Event()
-    loading = threading.Thread(target=load.run, args=(10**9, stop))
-    loading.start()
-    try:
+    with MixedLoad(url, key, label, clients=8).running() as load:
         time.sleep(2)
         yield load
         time.sleep(2)
-    finally:
-        stop.set()
-        loading.join(timeout=60)
 
 
 def assert_nothing_refused(
