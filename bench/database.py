@@ -17,7 +17,7 @@ import psycopg
 from psycopg import conninfo, sql
 from psycopg.rows import dict_row
 
-from bench.measure import ROOT, log
+from bench.measure import ROOT, log, socket_ports
 from petstore import config, db, keys, migrations
 from petstore.queries import pets
 
@@ -103,17 +103,19 @@ def forget_new_pets(conn: Conn, table: Table) -> None:
         conn.execute("vacuum pets")
 
 
-def pool_backends(conn: Conn) -> list[int] | None:
-    """Pids of the servers' PostgreSQL backends, or None when they are not on this machine."""
+def pool_backends(conn: Conn, app_pids: list[int]) -> list[int] | None:
+    """Pids of the PostgreSQL backends whose clients are the processes `app_pids` (one server's:
+    every server of a run shares the database), or None when they are not on this machine."""
     rows = conn.execute(
         """
-        select pid
+        select pid, client_port
           from pg_stat_activity
          where datname = current_database()
            and application_name = 'petstore'
         """
     ).fetchall()
-    pids = [row["pid"] for row in rows]
+    ports = socket_ports(app_pids)
+    pids = [row["pid"] for row in rows if row["client_port"] in ports]
     return pids if pids and all(Path(f"/proc/{pid}/stat").exists() for pid in pids) else None
 
 

@@ -233,6 +233,27 @@ def cpu_seconds(pids: list[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def socket_ports(pids: list[int]) -> set[int]:
+    """The local TCP ports of the sockets these processes hold (from /proc: their descriptors'
+    socket inodes, found in /proc/net/tcp and tcp6)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for descriptor in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(descriptor)
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def process_tree(pid: int) -> list[int]:
     """A process and all its descendants (gone ones left out)."""
     found, pending = [], [pid]

@@ -379,8 +379,9 @@ def cpu_section(run: Run) -> list[str]:
         "## CPU per request",
         "",
         "From /proc, utime + stime before and after each round, summed over the rounds and "
-        "spread over the requests: gunicorn's process tree (app), the pool's PostgreSQL "
-        "backends, the Redis server (when it runs on this machine, for the redis:// groups), "
+        "spread over the requests: gunicorn's process tree (app), the PostgreSQL backends of "
+        "that server's own connections (not the other servers', idle on the same database), "
+        "the Redis server (when it runs on this machine, for the redis:// groups), "
         "nginx's process tree (the headline), and the whole machine (/proc/stat: every process, "
         "wrk and the noise included). *service ÷ this, app* is what this server's requests/s "
         "over the service's would be if both were bound by their own CPU: it moves less with "

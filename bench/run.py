@@ -211,7 +211,7 @@ def interleaved(
                     args.duration,
                     args.connections,
                     args.threads,
-                    pool_backends(conn),
+                    pool_backends(conn, target.app_pids()),
                     redis_pids if server.storage == "redis" else None,
                 )
                 keep(server, scenario, measure)
@@ -385,7 +385,7 @@ def table_sizes(
                         args.duration,
                         args.connections,
                         args.threads,
-                        pool_backends(sides[server][3]),
+                        pool_backends(sides[server][3], targets[server].app_pids()),
                         redis_pids,
                     )
                     run.rounds.setdefault((small.size, server.label, scenario.name), []).append(
@@ -414,7 +414,8 @@ def check_sizes(
     for _round in range(min(args.rounds, SIZE_ROUNDS)):
         for check in size_checks(table):
             for server in chosen:
-                measure = run_wrk(targets[server], check, 1, 1, 1, pool_backends(conn))
+                target = targets[server]
+                measure = run_wrk(target, check, 1, 1, 1, pool_backends(conn, target.app_pids()))
                 rounds.setdefault((server.label, check.name), []).append(measure)
     for (label, name), measures in rounds.items():
         run.single[(label, name)] = combined(measures)
