@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from petstore import embedded
-from tests.support.servers import accepts_connections
+from tests.support.servers import accepts_connections, alive
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def test_restart_after_sigkill_leaves_a_stale_pid_file(datadir: Path) -> None:
     # A killed process stays a zombie until its parent (init, since pg_ctl has exited) reaps
     # it, and until then it counts as alive for pg_ctl too; wait for the real leftover state.
     deadline = time.monotonic() + 30
-    while _exists(pid):
+    while alive(pid):
         assert time.monotonic() < deadline, f"killed postmaster {pid} still exists"
         time.sleep(0.05)
     assert (datadir / "postmaster.pid").is_file()  # stale
@@ -122,12 +122,3 @@ def test_start_url_and_stop(datadir: Path) -> None:
     embedded.stop(datadir)
     assert not accepts_connections(port_of(url))
     embedded.stop(datadir)  # stopping a stopped server does nothing
-
-
-def _exists(pid: int) -> bool:
-    """Whether a process `pid` exists, zombies included."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
