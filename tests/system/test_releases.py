@@ -26,7 +26,7 @@ from tests.support.checks import Answer, call
 from tests.support.databases import empty_database
 from tests.support.load import MixedLoad
 from tests.support.nginx import DeployedGunicorn, Nginx
-from tests.support.servers import LOOPBACK, ROOT, alive, free_port
+from tests.support.servers import LOOPBACK, ROOT, WORKER_FAILED, alive, free_port
 
 NEW_VERSION = "1.1.0.post1"
 
@@ -135,14 +135,6 @@ def assert_nothing_refused(
     assert len(during) > 50
 
 
-def assert_no_worker_failed(logs: list[Path]) -> None:
-    """No worker ended by an exception (gunicorn logs "Exception in worker process"): one that did
-    left the connections it had accepted unanswered (a stopping gthread worker did, every time,
-    when its listening socket was closed in its SIGTERM handler)."""
-    for log in logs:
-        assert "Exception in worker process" not in log.read_text(encoding="utf-8"), log.name
-
-
 def test_usr2_replaces_the_running_version_without_a_refused_request(
     releases: tuple[Path, Path], database_url: str, tmp_path: Path
 ) -> None:
@@ -209,7 +201,9 @@ def test_usr2_replaces_the_running_version_without_a_refused_request(
                 pass
             master.wait(timeout=10)
         assert_nothing_refused(load, database, (started, finished), after, "release")
-        assert_no_worker_failed([tmp_path / "gunicorn.log"])
+        # As Gunicorn's with block checks for the servers it runs: no worker ended in an
+        # exception, leaving what it had accepted unanswered (a stopping gthread worker did).
+        assert WORKER_FAILED not in (tmp_path / "gunicorn.log").read_text(encoding="utf-8")
         assert metrics.status == 200
         assert "petstore_http_requests_total" in metrics.raw.decode(), metrics.raw[:300]
 
@@ -286,4 +280,3 @@ def test_hosts_behind_nginx_are_replaced_one_at_a_time_without_a_refused_request
         assert_nothing_refused(
             load, database, (started, finished), after, "rolling release of 2 hosts"
         )
-        assert_no_worker_failed(sorted(tmp_path.glob("*.log")))
