@@ -98,13 +98,34 @@ def seed(conn: Conn, size: int) -> Table:
 
 
 def forget_new_pets(conn: Conn, table: Table) -> None:
-    """Delete the pets the benchmark created, so that every run sees the seeded table, and its
-    statistics: a plain VACUUM after the delete estimates the table's rows from the emptied pages
-    it scans (10,000 pets counted as 7,279, then 2,912 after another round of creates), and the
-    planner, told the table is that small, took a sequential scan and a sort for a filtered page
-    now and then (seen with auto_explain during a run: 1.0 ms where the index scan takes 0.2)."""
+    """Delete the pets a run of creates made, then a plain VACUUM, as a deployment's autovacuum
+    or its operator would after a bulk delete: the churn step. Never ANALYZE by hand: the
+    statistics stay whatever that VACUUM and autovacuum (as shipped) leave, so every later round
+    reads through the plan a production table would get (bench/results/README.rst)."""
     if conn.execute("delete from pets where id > %s", [table.max_id]).rowcount:
-        conn.execute("vacuum analyze pets")
+        conn.execute("vacuum pets")
+
+
+def churn(conn: Conn, table: Table, creates: int) -> tuple[int, int]:
+    """A run of creates, one statement each as the service's are, then forget_new_pets: the
+    churn a table goes through between two rounds of `make bench`. (estimate, pets) after it."""
+    for number in range(creates):
+        conn.execute(
+            "insert into pets (name, category_id, status) values (%s, %s, %s)",
+            (f"churn {number}", number % 100 + 1, STATUSES[number % len(STATUSES)]),
+        )
+    forget_new_pets(conn, table)
+    return estimated_pets(conn)
+
+
+def estimated_pets(conn: Conn) -> tuple[int, int]:
+    """(the planner's estimate of the pets, as pg_class holds it; the pets there are)."""
+    row = conn.execute(
+        "select reltuples::bigint as estimate, (select count(*) from pets) as live"
+        "  from pg_class where oid = 'pets'::regclass"
+    ).fetchone()
+    assert row is not None
+    return int(row["estimate"]), int(row["live"])
 
 
 def pool_backends(conn: Conn, app_pids: list[int]) -> list[int] | None:

@@ -29,6 +29,8 @@ class Run:
 
     groups: list[tuple[str, tuple[Server, ...]]] = field(default_factory=list)
     rounds: dict[tuple[int, str, str], list[Measure]] = field(default_factory=dict)
+    # (the planner's estimate of the pets, the pets there are) after each of those rounds
+    estimates: dict[tuple[int, str, str], list[tuple[int, int]]] = field(default_factory=dict)
     distance: dict[tuple[str, str], list[Measure]] = field(default_factory=dict)
     distance_servers: tuple[Server, ...] = ()
     distance_size: int = 0
@@ -371,6 +373,35 @@ def groups_section(run: Run) -> list[str]:
     return out
 
 
+def churn_section(run: Run) -> list[str]:
+    """The filtered page round by round: what the churn of the creates before it left."""
+    keys = [key for key in run.estimates if "status=" in key[2]]
+    if not keys:
+        return []
+    out = [
+        "## The filtered page, round by round",
+        "",
+        "After each run of creates the harness deletes them and runs a plain `VACUUM`, never "
+        "`ANALYZE` (bench/results/README.rst): the planner's estimate of the table is what "
+        "that leaves. Per round: requests/s, the PostgreSQL CPU per request of that server's "
+        "backends, and the estimate against the pets there were, read right after the round.",
+        "",
+        "| pets | server | round | req/s | PostgreSQL µs/req | estimate / pets |",
+        "|---:|---|---:|---:|---:|---|",
+    ]
+    for size, label, name in keys:
+        measures = run.rounds.get((size, label, name), [])
+        for number, (measure, (estimate, live)) in enumerate(
+            zip(measures, run.estimates[(size, label, name)], strict=False), start=1
+        ):
+            pg = measure.per_request_us(measure.pg_cpu)
+            out.append(
+                f"| {size:,} | {label} | {number} | {measure.rps:,.0f} | "
+                f"{'–' if pg is None else f'{pg:,.0f}'} | {estimate:,} / {live:,} |"
+            )
+    return [*out, ""]
+
+
 def cpu_section(run: Run) -> list[str]:
     """CPU per request of each server in each group."""
     if not run.groups:
@@ -533,6 +564,7 @@ def render(
         *introduction(run, facts, settings, wall, pictures),
         *groups_section(run),
         *cpu_section(run),
+        *churn_section(run),
         *distance_section(run),
         *configs_section(run, settings),
         *budget_section(run),

@@ -45,6 +45,7 @@ from bench.database import (
     Conn,
     Table,
     bench_database,
+    estimated_pets,
     explain_list_queries,
     forget_new_pets,
     pool_backends,
@@ -256,6 +257,10 @@ def bench_group(
 
         def keep(server: Server, scenario: Scenario, measure: Measure) -> None:
             run.rounds.setdefault((table.size, server.label, scenario.name), []).append(measure)
+            if servers[0] == PRODUCTION[0] and "status=" in scenario.name:
+                run.estimates.setdefault((table.size, server.label, scenario.name), []).append(
+                    estimated_pets(conn)
+                )
             if measure.errors:
                 run.notes.append(
                     f"{server.label}, {table.size:,} pets, {scenario.name}: {measure.errors} errors"

@@ -2,7 +2,9 @@
 
     .venv/bin/python -m bench.sizes [--sizes 10000,1000000[,10000000]] [--rounds 5] [--calls 3000]
 
-A scratch database per size, seeded (database.seed: COPY, then vacuum analyze); one connection
+A scratch database per size, seeded (database.seed: COPY, then vacuum analyze), then churned as
+`make bench` churns its table (database.churn: `--churn` creates, their deletion, a plain VACUUM,
+no ANALYZE); one connection
 to each, its statements prepared as the pool's are. Each round runs every read's query function
 `--calls` times on each size in turn (the order rotating each round) and takes the CPU its
 backend spent from /proc; each larger size's ratio is the median (min–max) of the rounds' own
@@ -21,7 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench.database import Conn, Table, bench_database, explain, seed
+from bench.database import Conn, Table, bench_database, churn, explain, seed
 from bench.measure import cpu_seconds, log
 from bench.run import rotation
 from petstore.queries import pets
@@ -115,6 +117,13 @@ def parse_args() -> argparse.Namespace:
         type=lambda text: sorted(int(each) for each in text.split(",")),
     )
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--churn",
+        type=int,
+        default=15_000,
+        help="creates made and deleted (then a plain VACUUM) after seeding, as a run of "
+        "creates in make bench does (default 15000; 0: the freshly analyzed table)",
+    )
     # /proc counts CPU in clock ticks (10 ms): 3,000 calls resolve 3.3 µs per call.
     parser.add_argument("--calls", type=int, default=3000, help="calls per read, size and round")
     args = parser.parse_args()
@@ -136,6 +145,12 @@ def main() -> int:
             _server, _url, _key, conn = stack.enter_context(bench_database(scratch))
             log(f"seeding {size:,} pets (COPY)")
             tables[size], conns[size] = seed(conn, size), conn
+            if args.churn:
+                estimate, live = churn(conn, tables[size], args.churn)
+                log(f"after {args.churn:,} creates and their deletion: estimate {estimate:,}")
+                print(
+                    f"{size:,} pets after the churn: the planner's estimate {estimate:,}, {live:,} there"
+                )
             conn.prepare_threshold = 0  # prepared at once, as the pool's statements soon are
         cpu: dict[tuple[str, int], list[float]] = {}
         for number in range(args.rounds + 1):

@@ -46,6 +46,8 @@ CONCURRENT_INDEX = re.compile(
 
 # The pause before the next attempt after a lock timeout: doubled each time, from this.
 FIRST_PAUSE = 0.5
+# The longest one wait for the migration lock lasts before it is taken anew (take_migration_lock).
+LOCK_POLL_MS = 200
 # How often the lock watcher looks at what the migration waits for.
 WATCH_INTERVAL = 0.05
 
@@ -161,8 +163,7 @@ def upgrade(
     applied_now = []
     # Waiting for another upgrade may take longer than any statement timeout: none while waiting.
     conn.execute("set statement_timeout = 0")
-    conn.execute("set lock_timeout = 0")
-    conn.execute("select pg_advisory_lock(%s)", [MIGRATION_LOCK])
+    take_migration_lock(conn)
     try:
         with conn.transaction():
             conn.execute(
@@ -195,6 +196,23 @@ def upgrade(
         conn.execute("reset max_parallel_maintenance_workers")
         conn.execute("select pg_advisory_unlock(%s)", [MIGRATION_LOCK])
     return applied_now
+
+
+def take_migration_lock(conn: Connection) -> None:
+    """Wait for the migration lock as long as it takes, in waits of LOCK_POLL_MS each.
+
+    A statement blocked on the lock holds a snapshot, and CREATE INDEX CONCURRENTLY, in the
+    upgrade that holds the lock, waits for every transaction with an older snapshot to end: one
+    wait with no end would be a deadlock between the two (PostgreSQL ends it, failing the
+    waiting upgrade). A wait that times out ends its snapshot, and the next one's is newer.
+    """
+    conn.execute(sql.SQL("set lock_timeout = {}").format(LOCK_POLL_MS))
+    while True:
+        try:
+            conn.execute("select pg_advisory_lock(%s)", [MIGRATION_LOCK])
+            return
+        except psycopg.errors.LockNotAvailable:
+            continue
 
 
 def apply_with_retries(conn: Connection, migration: Migration, limits: Limits) -> None:
