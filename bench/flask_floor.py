@@ -27,8 +27,8 @@ from werkzeug.http import http_date
 
 from petstore import config, db
 from petstore.keys import hash_key
+from petstore.plans import PLAN_LIMITS
 from petstore.queries import keys, pets
-from petstore.ratelimit.plans import PLAN_LIMITS
 from petstore.schemas import DIGITS, INT64_MAX, PET_STATUSES
 
 WINDOWS = (("minute", 60), ("day", 86_400))

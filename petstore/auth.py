@@ -9,11 +9,11 @@ from typing import Any, TypeVar
 
 from flask import Flask, current_app, g, request
 
+from petstore import keycache
 from petstore.caller import Caller, caller_at
-from petstore.db import Connection, get_conn
+from petstore.db import Connection
 from petstore.errors import APIError
-from petstore.keycache import KeyCache
-from petstore.keys import KEY_SHAPE, SCOPES, hash_key
+from petstore.keys import KEY_SHAPE, SCOPES, find_key, hash_key
 from petstore.queries import keys as key_sql
 
 REALM = 'Bearer realm="petstore"'
@@ -123,7 +123,7 @@ def identify_caller(view: Callable[..., Any] | None) -> tuple[Caller | None, API
             "An API key is required: send 'Authorization: Bearer <key>'.", False
         )
     caller = (
-        get_key_cache().caller(hash_key(token), find_key) if KEY_SHAPE.fullmatch(token) else None
+        keycache.current().caller(hash_key(token), find_key) if KEY_SHAPE.fullmatch(token) else None
     )
     if caller is None:
         return None, unauthorized("The API key is not valid.", True)
@@ -139,17 +139,6 @@ def current_caller() -> Caller:
     return caller
 
 
-def find_key(key_hash: bytes) -> dict[str, Any] | None:
-    """The row of the key with this secret's hash, from the database (keys.find_key_by_hash)."""
-    return key_sql.find_key_by_hash(get_conn(), key_hash)
-
-
-def get_key_cache() -> KeyCache:
-    """The key cache of the current app."""
-    cache: KeyCache = current_app.extensions["petstore.key_cache"]
-    return cache
-
-
 def kept_key_caller(conn: Connection, key: str) -> Caller | None:
     """The caller `key` names in `conn`'s database now, past the key cache; None unless the key
     is valid and unexpired (make run asks this of the key it kept from an earlier run)."""
@@ -159,14 +148,9 @@ def kept_key_caller(conn: Connection, key: str) -> Caller | None:
     return None if caller is None or caller.expired else caller
 
 
-def forget_key(key_id: int) -> None:
-    """This worker changed the key `key_id` (banned it): its next request reads the database."""
-    get_key_cache().forget(key_id)
-
-
 def init_app(app: Flask) -> None:
     """Give the app (one per process) its cache of key rows, sized by the settings."""
-    app.extensions["petstore.key_cache"] = KeyCache(
+    app.extensions[keycache.EXTENSION] = keycache.KeyCache(
         app.config["KEY_CACHE_SECONDS"], app.config["KEY_CACHE_SIZE"]
     )
 

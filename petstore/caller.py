@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from petstore.ratelimit.plans import Limits, key_limits
+from petstore.plans import Limits, key_limits
 
 
 @dataclass(frozen=True, slots=True)

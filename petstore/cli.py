@@ -18,11 +18,11 @@ import click
 import psycopg
 
 from petstore import audit, config, db, devserver, keys, migrations, openapi, views
+from petstore.plans import PLAN_LIMITS, PLANS
 from petstore.queries import bans, idempotency
 from petstore.queries import keys as key_sql
 from petstore.queries import usage as usage_sql
 from petstore.ratelimit.bans import clear_strikes
-from petstore.ratelimit.plans import PLAN_LIMITS, PLANS
 
 FROM_MAKE_RUN = "petstore.cli.from_make_run"
 

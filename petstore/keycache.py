@@ -19,7 +19,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from flask import current_app
+
 from petstore.caller import Caller, caller_at, next_change
+
+# Where auth.init_app keeps each app's (so each worker's) cache.
+EXTENSION = "petstore.key_cache"
 
 # What find_key_by_hash answers for the hash of a token: the key's row, or None.
 Find = Callable[[bytes], dict[str, Any] | None]
@@ -104,3 +109,9 @@ class KeyCache:
                 h for h, entry in self.entries.items() if entry.caller.key_id == key_id
             ]:
                 del self.entries[key_hash]
+
+
+def current() -> KeyCache:
+    """The key cache of the current app: auth finds callers in it, a ban forgets one."""
+    cache: KeyCache = current_app.extensions[EXTENSION]
+    return cache

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from petstore.db import Connection
+from petstore.db import Connection, get_conn
 from petstore.queries import keys as key_sql
 
 KEY_PREFIX = "ps_"
@@ -23,6 +23,12 @@ SCOPES = ("read", "write")
 def new_key() -> str:
     """A fresh random API key, to be shown once and stored only as its hash."""
     return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def find_key(key_hash: bytes) -> dict[str, Any] | None:
+    """The row of the key with this secret's hash, on the request's connection (what the key
+    cache asks on a miss)."""
+    return key_sql.find_key_by_hash(get_conn(), key_hash)
 
 
 def hash_key(key: str) -> bytes:

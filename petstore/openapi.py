@@ -19,8 +19,7 @@ from apispec.ext.marshmallow import MarshmallowPlugin
 from flask import Blueprint
 from marshmallow import Schema
 
-from petstore import errors, schemas
-from petstore.ratelimit import plans
+from petstore import errors, plans, schemas
 
 # 3.0, not 3.1: in 3.1 (JSON Schema 2020-12) `1.0` is an integer, but this service refuses it
 # for categoryId (a JSON integer literal is required); 3.0's Schema Object says the same as we do.
@@ -64,7 +63,7 @@ method an operation does not list answers 405 `method_not_allowed` with an `Allo
 
 
 def description() -> str:
-    """info.description, with the plans' numbers from petstore.ratelimit.plans."""
+    """info.description, with the plans' numbers from petstore.plans."""
     numbers = ", ".join(
         f"{plan} {per_minute:,}/minute and {per_day:,}/day"
         for plan, (per_minute, per_day) in plans.PLAN_LIMITS.items()

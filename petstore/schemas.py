@@ -7,7 +7,7 @@ from typing import Any
 
 from marshmallow import RAISE, Schema, ValidationError, fields, validate
 
-from petstore.ratelimit.plans import PLANS
+from petstore.plans import PLANS
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1

@@ -29,8 +29,8 @@ from flask import Flask, Response, current_app, g
 
 from petstore import metrics, web
 from petstore.caller import Caller
+from petstore.plans import PLANS
 from petstore.queries import usage as usage_sql
-from petstore.ratelimit.plans import PLANS
 
 log = logging.getLogger(__name__)
 

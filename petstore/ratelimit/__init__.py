@@ -1,7 +1,6 @@
 """Rate limiting, in one package: each request counted once against its key's plan (or its
 client address's limits), strikes and bans for keys that call on after 429, and the headers.
 
-- plans.py: the plans and their numbers per minute and per day;
 - budgets.py: counting, the X-RateLimit-* and RateLimit-Policy/RateLimit fields, a key's
   standing for GET /v1/rate_limit;
 - bans.py: strikes after 429s, bans in PostgreSQL, 429 api_key_banned, clearing strikes;

@@ -7,22 +7,19 @@ import math
 import time
 from collections.abc import Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from flask import current_app
 from limits import RateLimitItem
 from limits.storage import storage_from_string
 
-from petstore import auth, db, metrics
+from petstore import db, keycache, keys, metrics
+from petstore.caller import Caller
 from petstore.errors import DATABASE_UNAVAILABLE, APIError
+from petstore.plans import Shown
 from petstore.queries import bans as ban_sql
 from petstore.ratelimit import storages
 from petstore.ratelimit.limiter import PlanLimiter
-from petstore.ratelimit.plans import Shown
-
-if TYPE_CHECKING:
-    # Only for annotations: petstore.caller imports ratelimit.plans, whose package imports this.
-    from petstore.caller import Caller
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +54,7 @@ def refuse_banned(caller: Caller | None) -> tuple[Shown | None, APIError | None]
         return None, None
     until = caller.banned_until.timestamp()
     limits = caller.limits
-    return (limits[0], 0, math.ceil(until), limits), APIError(
+    return Shown(limits[0], 0, math.ceil(until), limits), APIError(
         429,
         f"This API key is banned until {caller.banned_until.isoformat(timespec='seconds')} "
         "for continuing to call after 429 responses.",
@@ -101,7 +98,7 @@ def reread(caller: Caller) -> Caller:
     be asked.
     """
     try:
-        fresh = auth.get_key_cache().reread(caller.key_hash, auth.find_key)
+        fresh = keycache.current().reread(caller.key_hash, keys.find_key)
     except DATABASE_UNAVAILABLE:
         log.warning("cannot read key %s again before its strike", caller.key_id)
         return caller
@@ -144,7 +141,7 @@ def strike(limiter: PlanLimiter, caller: Caller, spent: RateLimitItem) -> str:
         with db.durable_write(conn), conn.transaction():
             ban = ban_key(conn, config, caller.key_id, strikes)
         # This worker's next request of the key sees the ban, whoever stored it.
-        auth.forget_key(caller.key_id)
+        keycache.current().forget(caller.key_id)
         # A new ban starts a new count: after it ends, the key gets a full threshold again.
         storage.clear(strikes_at)
     except Exception:

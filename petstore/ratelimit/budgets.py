@@ -9,20 +9,17 @@ import logging
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flask import Response, current_app, request
 from limits import RateLimitItem
 from limits.strategies import FixedWindowRateLimiter
 
+from petstore.caller import Caller
 from petstore.errors import APIError
+from petstore.plans import Limits, Shown
 from petstore.ratelimit import bans
 from petstore.ratelimit.limiter import PlanLimiter
-from petstore.ratelimit.plans import Limits, Shown
-
-if TYPE_CHECKING:
-    # Only for annotations: petstore.caller imports ratelimit.plans, whose package imports this.
-    from petstore.caller import Caller
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +75,14 @@ def count(caller: Caller | None) -> tuple[Shown | None, APIError | None]:
                     return ban_shown, banned
                 # No ban without warning: each 429 of a key says how many more ban it.
                 warning = bans.strike(limiter, caller, limit)
-            return (limit, 0, math.ceil(reset), limits), APIError(
+            return Shown(limit, 0, math.ceil(reset), limits), APIError(
                 429,
                 f"Rate limit exceeded: {limit.amount} per {limit.GRANULARITY.name}.{warning}",
                 "rate_limited",
                 headers={"Retry-After": str(bans.seconds_until(reset))},
             )
-        if shown is None or remaining < shown[1]:
-            shown = (limit, remaining, math.ceil(reset), limits)
+        if shown is None or remaining < shown.remaining:
+            shown = Shown(limit, remaining, math.ceil(reset), limits)
     return shown, None
 
 
@@ -166,7 +163,7 @@ def window_stats(
 def nearest(stood: list[tuple[RateLimitItem, int, int]], limits: Limits) -> Shown:
     """What the headers show: the limit with the fewest requests left (the first on a tie)."""
     limit, remaining, reset = min(stood, key=lambda window: window[1])
-    return limit, remaining, reset, limits
+    return Shown(limit, remaining, reset, limits)
 
 
 def headers_standing(limiter: PlanLimiter, prefix: str, who: str, limits: Limits) -> Shown | None:

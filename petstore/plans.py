@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from limits import RateLimitItem
 from limits.limits import RateLimitItemPerDay, RateLimitItemPerMinute
@@ -18,9 +18,16 @@ PLAN_LIMITS: dict[str, tuple[int, int]] = {
 PLANS = (*PLAN_LIMITS, "enterprise")
 
 Limits = tuple[RateLimitItem, ...]
-# What X-RateLimit-* show: the limit nearest to running out, its remaining requests, when its
-# window ends (unix seconds), and all the caller's limits.
-Shown = tuple[RateLimitItem, int, int, Limits]
+
+
+class Shown(NamedTuple):
+    """What X-RateLimit-* show: the limit nearest to running out, its remaining requests, when
+    its window ends (unix seconds), and all the caller's limits."""
+
+    limit: RateLimitItem
+    remaining: int
+    reset: int
+    limits: Limits
 
 
 @functools.lru_cache(maxsize=1024)
