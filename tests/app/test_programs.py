@@ -46,6 +46,22 @@ def test_a_missing_program_skips_in_one_line_naming_its_installer(
     )
 
 
+def test_a_missing_program_no_script_installs_says_where_it_comes_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """kubectl comes with the CI machines (no .ci/ script): the line says so, and where to get it."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(tmp_path),))
+
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        programs.program("kubectl")
+
+    assert str(skipped.value) == (
+        "kubectl is not installed: CI machines have it; install it as"
+        " https://kubernetes.io/docs/tasks/tools/ says"
+    )
+
+
 @pytest.mark.parametrize(
     ("uid", "has_sudo", "command"),
     [

@@ -36,6 +36,9 @@ INSTALLERS = {
     "haproxy": ".ci/install-haproxy",
     "libfaketime.so.1": ".ci/install-faketime",
 }
+# Programs that no script of .ci/ installs: the CI machines come with them (Debian's package
+# kubectl, from Kubernetes' own package repository); elsewhere, install them from there.
+PREINSTALLED = {"kubectl": "https://kubernetes.io/docs/tasks/tools/"}
 # Libraries a test preloads, not programs: where Debian installs each.
 LIBRARIES = {"libfaketime.so.1": "/usr/lib/*/faketime/libfaketime.so.1"}
 
@@ -62,6 +65,10 @@ def install_command(name: str) -> str:
 
 def missing_line(name: str) -> str:
     """The one line a test skips with when `name` is missing."""
+    if name in PREINSTALLED:
+        return (
+            f"{name} is not installed: CI machines have it; install it as {PREINSTALLED[name]} says"
+        )
     return f"{name} is not installed: install it as root with `{install_command(name)}`"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import math
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Callable
@@ -252,3 +253,18 @@ def test_promtool_accepts_the_shipped_files(command: list[str]) -> None:
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS" in checked.stdout
+
+
+def test_promtool_accepts_the_kubernetes_scrape_config_beside_the_rules(tmp_path: Path) -> None:
+    """deploy/k8s/prometheus.yml in one directory with deploy/alerts.yml, as a Prometheus in the
+    cluster reads them (docs/deploying.rst, "On Kubernetes"); its discovery needs a cluster."""
+    for shipped in (ROOT / "deploy" / "k8s" / "prometheus.yml", ALERTS):
+        shutil.copy(shipped, tmp_path / shipped.name)
+    checked = subprocess.run(
+        [binary("promtool"), "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 1 rule files found" in checked.stdout
