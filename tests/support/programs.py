@@ -35,6 +35,7 @@ INSTALLERS = {
     "etcd": ".ci/install-patroni",
     "haproxy": ".ci/install-haproxy",
     "libfaketime.so.1": ".ci/install-faketime",
+    "systemd-analyze": ".ci/install-systemd",
 }
 # Libraries a test preloads, not programs: where Debian installs each.
 LIBRARIES = {"libfaketime.so.1": "/usr/lib/*/faketime/libfaketime.so.1"}
