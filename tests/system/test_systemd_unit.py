@@ -551,8 +551,10 @@ def test_the_service_runs_reloads_and_releases_under_the_units_sandbox(
                 assert senders and new_master not in senders, manager.messages
                 statuses = {answer.status for answer in load.answers}
                 print(
-                    f"\nunder the unit's sandbox: {len(load.answers)} answers during the "
-                    f"release, statuses {sorted(statuses)}, {len(load.failures)} failures"
+                    f"\nmasters {master.pid} then {new_master}; notified (sender pid, fields): "
+                    f"{manager.messages}\nunder the unit's sandbox: {len(load.answers)} answers "
+                    f"around the release, statuses {sorted(statuses)}, "
+                    f"{len(load.failures)} failures"
                 )
                 assert load.failures == [] and load.abandoned == []
                 assert statuses <= {200, 201}, sorted(statuses)
