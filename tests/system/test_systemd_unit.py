@@ -70,6 +70,8 @@ EMULATED = {
     "WorkingDirectory": str(HOME / "current"),
     "UMask": None,
     "ProtectSystem": "strict",
+    # The emulation's namespace is one of its own, its mounts private.
+    "PrivateMounts": "yes",
     "ReadWritePaths": str(STATE),
     "PrivateTmp": "yes",
     "ProtectHome": "yes",
