@@ -1,8 +1,8 @@
 """A systemd unit file read as systemd reads it, and its service run in an emulation of the unit's
 sandbox, without systemd as PID 1.
 
-The parent side (UnitFile, syscall_groups, Sandbox.command, NotifySocket) runs in the test. The
-child side is this module run as a program, as root: `python -m tests.support.systemd SPEC`
+The parent side (UnitFile, allowed_syscalls, Sandbox and its launcher, NotifySocket) runs in the
+test. The child side is this module run as a program, as root: `python -m tests.support.systemd SPEC`
 sets up what the unit's settings would (a mount namespace, the user, the capabilities, seccomp
 filters) and then execs the unit's ExecStart, so the service is the process the test started.
 """
@@ -228,6 +228,7 @@ DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
 def scmp_errno(number: int) -> int:
+    """libseccomp's SCMP_ACT_ERRNO(number)."""
     return 0x00050000 | (number & 0xFFFF)
 
 
@@ -281,6 +282,7 @@ libc = ctypes.CDLL(None, use_errno=True)
 
 
 def check(result: int, what: str) -> None:
+    """Raise OSError with errno when a libc call returned non-zero."""
     if result != 0:
         number = ctypes.get_errno()
         raise OSError(number, f"{what}: {os.strerror(number)}")
@@ -317,6 +319,7 @@ def mount_points() -> list[tuple[str, int]]:
 
 
 def within(path: str, parents: Sequence[str]) -> bool:
+    """Whether `path` is one of `parents` or beneath one."""
     return any(path == p or path.startswith(p.rstrip("/") + "/") for p in parents)
 
 
