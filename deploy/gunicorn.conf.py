@@ -185,3 +185,19 @@ def child_exit(server: Any, worker: Any) -> None:
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+
+
+def post_worker_init(worker: Any) -> None:
+    """Under systemd, a master that USR2 started becomes the unit's main process once one of
+    its workers has loaded the app (deploy/petstore.service, NotifyAccess=all).
+
+    gunicorn's own READY=1 names no pid, and systemd stops the whole unit when the process it
+    knows as the main one exits: without this, the old master's TERM of the release would take
+    the new one with it. Not earlier: a new release whose workers cannot load the app leaves
+    the old master the main process, serving. Without NOTIFY_SOCKET, sd_notify does nothing.
+    """
+    # Set in the master that USR2 started until its parent, the old master, is gone.
+    if os.environ.get("GUNICORN_PID"):
+        from gunicorn import systemd
+
+        systemd.sd_notify(f"MAINPID={worker.ppid}", worker.log)

@@ -35,6 +35,7 @@ INSTALLERS = {
     "etcd": ".ci/install-patroni",
     "haproxy": ".ci/install-haproxy",
     "libfaketime.so.1": ".ci/install-faketime",
+    "systemd-analyze": ".ci/install-systemd",
 }
 # Programs that no script of .ci/ installs: the CI machines come with them (Debian's package
 # kubectl, from Kubernetes' own package repository); elsewhere, install them from there.

@@ -14,35 +14,11 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from tests.support.checkouts import copy_checkout
 from tests.support.databases import empty_database
 
 ROOT = Path(__file__).resolve().parents[2]
 MIGRATION = re.compile(r"^\d{4}_[a-z0-9_]+\.sql$")
-
-
-def checkout_files() -> list[str]:
-    """What a clean clone of the working tree would hold: tracked and new files, not ignored ones."""
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    ).stdout.decode()
-    return [
-        name
-        for name in listed.split("\0")
-        if name and ((ROOT / name).is_file() or (ROOT / name).is_symlink())
-    ]
-
-
-def copy_checkout(target: Path) -> None:
-    """Copy what a clean clone would hold into `target`, symbolic links as links (petstore/sql)."""
-    for name in checkout_files():
-        (target / name).parent.mkdir(parents=True, exist_ok=True)
-        if (ROOT / name).is_symlink():
-            (target / name).symlink_to((ROOT / name).readlink())
-        else:
-            shutil.copy2(ROOT / name, target / name)
 
 
 def sql_files() -> list[str]:
