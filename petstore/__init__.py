@@ -8,7 +8,19 @@ from typing import Any
 from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from petstore import auth, config, db, errors, metrics, pipeline, ratelimit, usage, views
+from petstore import (
+    auth,
+    config,
+    db,
+    durable,
+    errors,
+    metrics,
+    pipeline,
+    ratelimit,
+    standbys,
+    usage,
+    views,
+)
 from petstore.views import docs, health, root
 from petstore.views import metrics as metrics_view
 from petstore.web import API_PREFIX
@@ -43,6 +55,8 @@ def create_app(
 
     errors.init_app(app)
     db.init_app(app)
+    standbys.init_app(app)
+    durable.init_app(app)
     auth.init_app(app)
     ratelimit.init_app(app)
     # The request path, in order (petstore/pipeline.py):

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import select
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
 from flask import Flask, current_app, g
 from psycopg import sql
-from psycopg.errors import Diagnostic
 from psycopg.rows import DictRow, dict_row
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool
 
 from petstore import hostorder
 
@@ -26,37 +20,6 @@ log = logging.getLogger(__name__)
 
 Connection = psycopg.Connection[DictRow]
 T = TypeVar("T")
-
-# The longest a read waits for a connection to a standby before it asks the primary instead.
-READ_POOL_TIMEOUT = 0.2
-# After a standby failed a read, this worker reads from the primary for this long (seconds):
-# while the standbys are down, one read per worker per READ_POOL_REST asks them again.
-READ_POOL_REST = 1.0
-# How long the read pool retries a lost connection in the background (seconds) before it leaves
-# new connections to the reads that want one: its backoff (1 s, 2 s, 4 s, ...) would otherwise
-# keep the reads off a standby for seconds after it is back.
-READ_RECONNECT_TIMEOUT = 1.0
-# A read connection is replaced after this long (seconds), so that one that fell back to the
-# primary (prefer-standby, while the standbys were down) returns to a standby once one is back.
-READ_CONNECTION_LIFETIME = 60.0
-# A write still unanswered this long after its statement timeout is cancelled (seconds): the
-# statement timeout does not cover a commit's wait for the synchronous standby.
-COMMIT_WAIT_MARGIN = 1.0
-# How often the commit watch looks for writes past their bound (seconds).
-COMMIT_WATCH_INTERVAL = 0.2
-# A worker asks its standby how far behind it is at most once per this many seconds.
-LAG_CHECK_SECONDS = 1.0
-# How far behind a standby is (seconds): 0 when it has replayed all the WAL it received (caught
-# up; also when it streams nothing yet, just started), else the time since the primary committed
-# the last transaction it replayed (unknown, null, when it replayed none since it started). On a
-# primary (prefer-standby fell back to one): 0.
-STANDBY_LAG = """
-select case when not pg_is_in_recovery()
-                 or coalesce(pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn(), true)
-            then 0
-            else extract(epoch from now() - pg_last_xact_replay_timestamp())::float8
-       end as seconds
-"""
 
 
 def behind_transaction_pooler(config: Mapping[str, Any]) -> bool:
@@ -228,23 +191,9 @@ def open_pool(
 
 
 def init_app(app: Flask) -> None:
-    """Create the pools (one per process, and one of the standbys when set) and release
-    connections after each request."""
+    """Create the pool (one per process) and release the request's connection after it."""
     pin = app.extensions["petstore.timeout_pin"] = TimeoutPin(app.config["DB_STATEMENT_TIMEOUT_MS"])
     app.extensions["petstore.pool"] = open_pool(app.config, pin=pin)
-    if app.config.get("READ_DATABASE_URL"):
-        read_pool = app.extensions["petstore.read_pool"] = open_pool(
-            app.config,
-            "petstore-read",
-            app.config["READ_DATABASE_URL"],
-            pin,
-            max_lifetime=READ_CONNECTION_LIFETIME,
-            reconnect_timeout=READ_RECONNECT_TIMEOUT,
-        )
-        app.extensions["petstore.standbys"] = Standbys(
-            read_pool, app.config["READ_MAX_LAG_SECONDS"]
-        )
-    app.extensions["petstore.commit_watch"] = CommitWatch()
     app.teardown_appcontext(_release_conn)
 
 
@@ -284,94 +233,6 @@ def get_conn() -> Connection:
         g.conn = taken
     conn: Connection = g.conn
     return conn
-
-
-class Standbys:
-    """One worker's reads on the standbys (PETSTORE_READ_DATABASE_URL): their pool, when to leave
-    them alone, and whether they were too far behind at the last check."""
-
-    def __init__(self, pool: ConnectionPool[Connection], max_lag: float) -> None:
-        self.pool = pool
-        self.max_lag = max_lag
-        self.rests_until = 0.0  # monotonic
-        self.lag_checked_at = -math.inf  # monotonic
-        self.behind = False
-        # Reads the standbys answered (the primary answers the others).
-        self.answered = 0
-
-    def resting(self) -> bool:
-        """Whether this worker leaves the standbys alone for now (one failed a moment ago)."""
-        return time.monotonic() < self.rests_until
-
-    def rest(self, exc: BaseException) -> None:
-        """A standby failed: the primary answers this worker's reads for READ_POOL_REST seconds."""
-        log.warning(
-            "standby unavailable, reading from the primary: %s: %s", type(exc).__name__, exc
-        )
-        self.rests_until = time.monotonic() + READ_POOL_REST
-
-    def take(self) -> Connection:
-        """A connection to a standby, within READ_POOL_TIMEOUT.
-
-        A standby that restarted cut every idle connection alike: at the first one found cut,
-        all the broken ones are dropped (the pool tests its idle connections, each cut one fails
-        at once) and new ones are made, rather than one broken connection per read.
-        """
-        conn = self.pool.getconn(timeout=READ_POOL_TIMEOUT)
-        if cut_while_idle(conn):
-            self.pool.putconn(conn)
-            self.pool.check()
-            conn = self.pool.getconn(timeout=READ_POOL_TIMEOUT)
-        return conn
-
-    def too_far_behind(self, conn: Connection) -> bool:
-        """Whether the standby was more than max_lag seconds behind when last asked (at most once
-        per LAG_CHECK_SECONDS per worker, on the read's own connection)."""
-        now = time.monotonic()
-        if now - self.lag_checked_at >= LAG_CHECK_SECONDS:
-            self.lag_checked_at = now
-            row = conn.execute(STANDBY_LAG).fetchone()
-            lag = None if row is None else row["seconds"]
-            behind = lag is None or lag > self.max_lag
-            if behind != self.behind:
-                log.info(
-                    "standby %s: %s s behind, reads %s",
-                    "behind" if behind else "caught up",
-                    "unknown" if lag is None else f"{lag:.1f}",
-                    "go to the primary" if behind else "return to it",
-                )
-            self.behind = behind
-        return self.behind
-
-
-def read_on_standby_if_any(query: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """`query(conn, ...)` on a standby (PETSTORE_READ_DATABASE_URL), else on the primary.
-
-    Only for statements that write nothing and may lag by the replication delay, up to
-    READ_MAX_LAG_SECONDS plus LAG_CHECK_SECONDS: a standby further behind is not read from. A
-    standby that cannot be reached within READ_POOL_TIMEOUT, or fails the statement, is not an
-    error: the primary answers, and this worker leaves the standbys alone for READ_POOL_REST.
-    """
-    standbys: Standbys | None = current_app.extensions.get("petstore.standbys")
-    if standbys is None or standbys.resting():
-        return query(get_conn(), *args, **kwargs)
-    try:
-        conn = standbys.take()
-    except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-        standbys.rest(exc)
-        return query(get_conn(), *args, **kwargs)
-    try:
-        if not standbys.too_far_behind(conn):
-            answer = query(conn, *args, **kwargs)
-            standbys.answered += 1
-            return answer
-    except psycopg.errors.QueryCanceled:
-        raise  # the statement timeout: the primary would take as long
-    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-        standbys.rest(exc)
-    finally:
-        standbys.pool.putconn(conn)
-    return query(get_conn(), *args, **kwargs)
 
 
 def cut_while_idle(conn: Connection) -> bool:
@@ -418,117 +279,6 @@ def discard_read_only_connections() -> None:
     pool.drain()
     if conn is not None:
         pool.putconn(conn)
-
-
-class CommitNotReplicated(psycopg.OperationalError):
-    """A commit whose wait for the synchronous standby was cancelled: it is on this server only."""
-
-
-def replication_wait_cancelled(diagnostic: Diagnostic) -> bool:
-    """Whether a notice is PostgreSQL's WARNING that a commit stopped waiting for the standby.
-
-    "canceling wait for synchronous replication due to user request" (a cancel), or "canceling
-    the wait for synchronous replication and terminating connection ..." (a shutdown), both with
-    "The transaction has already committed locally, but might not have been replicated to the
-    standby.". Its SQLSTATE is the generic 01000 (or 57P01), so only the English text tells it;
-    durable_write does not depend on it (a write the watch cancelled that then returns is one).
-    """
-    return "wait for synchronous replication" in (diagnostic.message_primary or "")
-
-
-class CommitWatch:
-    """One thread per process that cancels the writes still running past their deadline.
-
-    Cancelling a commit that waits for the synchronous standby ends the wait: PostgreSQL keeps
-    the commit locally and says so in a WARNING, which durable_write turns into a 503. The thread
-    looks every COMMIT_WATCH_INTERVAL rather than being woken: a write pays a lock and two dict
-    operations, never a thread switch.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._due: dict[int, tuple[float, Connection]] = {}
-        self._tokens = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    def watch(self, conn: Connection, seconds: float) -> int:
-        """Cancel `conn`'s statement in `seconds` (give or take the interval) unless unwatch(token)."""
-        token = next(self._tokens)
-        with self._lock:
-            self._due[token] = (time.monotonic() + seconds, conn)
-            # Started on first use, in the worker: a thread of gunicorn's master is not forked.
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="petstore-commit-watch", daemon=True
-                )
-                self._thread.start()
-        return token
-
-    def unwatch(self, token: int) -> bool:
-        """The write ended: no cancel. Whether it was cancelled meanwhile (the watch took it)."""
-        with self._lock:
-            return self._due.pop(token, None) is None
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(COMMIT_WATCH_INTERVAL)
-            now = time.monotonic()
-            with self._lock:
-                expired = [token for token, (due, _) in self._due.items() if due <= now]
-                conns = [self._due.pop(token)[1] for token in expired]
-            for conn in conns:
-                # psycopg's cancel may come from another thread; it connects to the server, so
-                # each in a thread of its own: a silent server holds up no other cancel.
-                threading.Thread(target=_cancel, args=(conn,), daemon=True).start()
-
-
-def _cancel(conn: Connection) -> None:
-    try:
-        conn.cancel()
-    except psycopg.Error as exc:  # closed meanwhile, or the server unreachable: nothing to end
-        log.warning("could not cancel a write past its bound: %s", exc)
-
-
-@contextmanager
-def durable_write(conn: Connection) -> Iterator[None]:
-    """Around a write and its commit: past the block, the commit is on the synchronous standby.
-
-    A commit waits for the synchronous standby, and the statement timeout does not bound that
-    wait: PostgreSQL disables it before committing (finish_xact_command in postgres.c). A primary
-    whose standby was promoted behind its back (its Patroni dead) makes that wait endless. So a
-    write still running DB_STATEMENT_TIMEOUT_MS + COMMIT_WAIT_MARGIN after it began is cancelled.
-    A cancelled wait leaves the commit on this server only, which a failover may throw away:
-    PostgreSQL says so in a WARNING, and the block raises CommitNotReplicated (a 503 with
-    Retry-After; the client's retry with its Idempotency-Key finds the record only where the
-    commit is, and idempotency.replay waits for it to be replicated before answering). A block
-    that returns after the watch cancelled it raises the same, WARNING or not: in another
-    lc_messages the WARNING's text is not recognised, and a cancel that came too late to end
-    anything cannot be told from one that ended the wait.
-    """
-    cancelled: list[str] = []
-
-    def notice(diagnostic: Diagnostic) -> None:
-        # Read now: the diagnostic's fields are gone once the callback returns.
-        if replication_wait_cancelled(diagnostic):
-            cancelled.append(f"{diagnostic.message_primary} ({diagnostic.message_detail})")
-
-    bound = current_app.config["DB_STATEMENT_TIMEOUT_MS"] / 1000 + COMMIT_WAIT_MARGIN
-    watch: CommitWatch = current_app.extensions["petstore.commit_watch"]
-    conn.add_notice_handler(notice)
-    token = watch.watch(conn, bound)
-    try:
-        yield
-    finally:
-        watched_out = watch.unwatch(token)
-        conn.remove_notice_handler(notice)
-        if watched_out:
-            # The watch's cancel may still be on its way: no later statement may meet it. The
-            # pool replaces a connection that comes back closed.
-            conn.close()
-    if cancelled:
-        raise CommitNotReplicated(cancelled[0])
-    if watched_out:
-        raise CommitNotReplicated(f"the write was cancelled after {bound:g} s")
 
 
 def connect(config: dict[str, Any]) -> Connection:

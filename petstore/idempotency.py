@@ -44,7 +44,7 @@ def replay(
     """The recorded response again, or 409 Conflict when the key came with a different request.
 
     Only once the record is on the synchronous standby: the first answer may have been a 503
-    because its commit's wait for the standby was cancelled (db.durable_write), the record then
+    because its commit's wait for the standby was cancelled (durable.durable_write), the record then
     on this server alone. Writing it again waits for the standby (within durable_write's bound).
     """
     if bytes(stored["fingerprint"]) != digest:

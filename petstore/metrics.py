@@ -38,7 +38,7 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from petstore.config import ConfigError
-from petstore.db import CommitNotReplicated
+from petstore.durable import CommitNotReplicated
 
 EXTENSION = "petstore.metrics"
 

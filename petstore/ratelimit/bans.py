@@ -13,7 +13,7 @@ from flask import current_app
 from limits import RateLimitItem
 from limits.storage import storage_from_string
 
-from petstore import db, keycache, keys, metrics
+from petstore import db, durable, keycache, keys, metrics
 from petstore.caller import Caller
 from petstore.errors import DATABASE_UNAVAILABLE, APIError
 from petstore.plans import Shown
@@ -138,7 +138,7 @@ def strike(limiter: PlanLimiter, caller: Caller, spent: RateLimitItem) -> str:
         conn = db.get_conn()
         # Bounded like every write: a primary deposed behind its back would hold the commit
         # (and the 429) forever. A ban not replicated is no ban: the 429 says nothing of one.
-        with db.durable_write(conn), conn.transaction():
+        with durable.durable_write(conn), conn.transaction():
             ban = ban_key(conn, config, caller.key_id, strikes)
         # This worker's next request of the key sees the ban, whoever stored it.
         keycache.current().forget(caller.key_id)

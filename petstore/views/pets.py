@@ -12,7 +12,8 @@ from werkzeug.http import http_date
 
 from petstore import idempotency, schemas
 from petstore.auth import current_caller, needs_scope
-from petstore.db import Connection, durable_write, get_conn, read_on_standby_if_any
+from petstore.db import Connection, get_conn
+from petstore.durable import durable_write
 from petstore.errors import APIError
 from petstore.openapi import (
     JSON,
@@ -22,6 +23,7 @@ from petstore.openapi import (
     rate_limit_headers,
 )
 from petstore.queries import pets as pet_sql
+from petstore.standbys import read_on_standby_if_any
 from petstore.web import API_PREFIX, body_as_json, json_response, validate, validate_query
 
 

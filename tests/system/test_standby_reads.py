@@ -17,7 +17,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 from psycopg.rows import dict_row
 
-from petstore import config, create_app, db, keys, migrations
+from petstore import config, create_app, db, keys, migrations, standbys
 from tests.support.servers import poll_until
 from tests.support.standby import PostgresServer, make_primary, make_standby
 
@@ -90,7 +90,7 @@ def wait_for_replay(pair: Pair, count: str, more_than: int, what: str) -> None:
         REPLAYED_WITHIN,
         f"{what} replayed on the standby",
     )
-    time.sleep(db.LAG_CHECK_SECONDS)
+    time.sleep(standbys.LAG_CHECK_SECONDS)
 
 
 def new_key(pair: Pair) -> dict[str, str]:
@@ -102,8 +102,8 @@ def new_key(pair: Pair) -> dict[str, str]:
 
 def standby_answered(app: Flask) -> int:
     """Reads the standby has answered so far."""
-    standbys: db.Standbys = app.extensions["petstore.standbys"]
-    return standbys.answered
+    standby_reads: standbys.Standbys = app.extensions["petstore.standbys"]
+    return standby_reads.answered
 
 
 def listed_ids(client: FlaskClient, headers: dict[str, str]) -> list[int]:
@@ -126,7 +126,7 @@ def test_a_standby_further_behind_than_the_bound_is_not_read_from(pair: Pair, ap
     assert created.status_code == 201, created.json
     pet_id = created.get_json()["id"]
     # Past the last lag check, well within the standby's delay.
-    time.sleep(db.LAG_CHECK_SECONDS + 0.1)
+    time.sleep(standbys.LAG_CHECK_SECONDS + 0.1)
     assert pet_id in listed_ids(client, headers)
     assert pair.on_standby("select count(*) as n from pets where id = %(id)s", {"id": pet_id}) == {
         "n": 0

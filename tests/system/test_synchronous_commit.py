@@ -1,4 +1,4 @@
-"""A commit whose wait for the synchronous standby was cancelled is a 503, never a 201 (db.durable_write).
+"""A commit whose wait for the synchronous standby was cancelled is a 503, never a 201 (durable.durable_write).
 
 A PostgreSQL of the test's own whose synchronous_standby_names names a standby that never
 connects: every commit waits for it forever, which is what a primary whose standby was promoted
@@ -22,7 +22,7 @@ from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.errors import Diagnostic
 
-from petstore import config, create_app, db, keys
+from petstore import config, create_app, db, durable, keys
 from tests.support.checks import assert_error
 from tests.support.servers import ThrowawayPostgres, poll_until
 
@@ -36,7 +36,7 @@ SETTINGS: dict[str, Any] = {
     "RETRY_AFTER": RETRY_AFTER,
 }
 # A create whose commit waits forever answers within its bound, plus slack for a loaded machine.
-ANSWERED_WITHIN = STATEMENT_TIMEOUT_MS / 1000 + db.COMMIT_WAIT_MARGIN + 1.5
+ANSWERED_WITHIN = STATEMENT_TIMEOUT_MS / 1000 + durable.COMMIT_WAIT_MARGIN + 1.5
 NEW_PET = {"name": "Waits", "categoryId": 3, "status": "available"}
 
 
@@ -119,7 +119,9 @@ def test_the_statement_timeout_does_not_bound_a_commits_wait(server: ThrowawayPo
         notices: list[tuple[bool, str]] = []
 
         def keep(notice: Diagnostic) -> None:
-            notices.append((db.replication_wait_cancelled(notice), notice.message_detail or ""))
+            notices.append(
+                (durable.replication_wait_cancelled(notice), notice.message_detail or "")
+            )
 
         with psycopg.connect(
             server.url(APP_DBNAME), autocommit=True, options="-c statement_timeout=500"
@@ -208,7 +210,7 @@ def test_a_cancelled_wait_is_a_503_whatever_the_warnings_language(
 ) -> None:
     """In another lc_messages the WARNING's text is not recognised: the write the watch cancelled
     is a 503 all the same, never a 201."""
-    monkeypatch.setattr(db, "replication_wait_cancelled", lambda _diagnostic: False)
+    monkeypatch.setattr(durable, "replication_wait_cancelled", lambda _diagnostic: False)
     client = app.test_client()
     pool = app.extensions["petstore.pool"]
     returned_closed = pool.get_stats().get("returns_bad", 0)
