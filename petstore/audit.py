@@ -6,7 +6,7 @@ import getpass
 import os
 
 from petstore.db import Connection
-from petstore.queries import usage as usage_sql
+from petstore.queries import audit as audit_sql
 
 
 def os_user() -> str:
@@ -19,4 +19,4 @@ def os_user() -> str:
 
 def record(conn: Connection, command: str, key_id: int | None, reason: str | None) -> None:
     """Append the action to audit_log, in the caller's transaction (with the change it records)."""
-    usage_sql.insert_audit(conn, command, key_id, os_user(), reason or None)
+    audit_sql.insert_audit(conn, command, key_id, os_user(), reason or None)

@@ -19,6 +19,7 @@ import psycopg
 
 from petstore import audit, config, db, devserver, keys, migrations, openapi, views
 from petstore.plans import PLAN_LIMITS, PLANS
+from petstore.queries import audit as audit_sql
 from petstore.queries import bans, idempotency
 from petstore.queries import keys as key_sql
 from petstore.queries import usage as usage_sql
@@ -590,7 +591,7 @@ def audit_command(key_text: str | None, since: str | None, output: str) -> None:
     key_id = None if key_text is None else parse_key_id(key_text)
     first = None if since is None else parse_day("--since", since, date.today())
     with database() as conn:
-        rows = usage_sql.list_audit(
+        rows = audit_sql.list_audit(
             conn, key_id, None if first is None else datetime.combine(first, time(), UTC)
         )
     shown = [{**row, "at": f"{row['at'].astimezone(UTC):%Y-%m-%d %H:%M:%S%z}"} for row in rows]

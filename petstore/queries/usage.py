@@ -1,4 +1,4 @@
-"""SQL over key_usage (requests per key, UTC hour and outcome) and audit_log (operator actions)."""
+"""SQL over key_usage: requests per key, UTC hour and outcome."""
 
 from __future__ import annotations
 
@@ -103,37 +103,3 @@ def delete_usage_before(conn: Connection, before: datetime) -> int:
     return conn.execute(
         "delete from key_usage where hour < %(before)s", {"before": before}
     ).rowcount
-
-
-def insert_audit(
-    conn: Connection, command: str, key_id: int | None, os_user: str, reason: str | None
-) -> None:
-    """Append one operator action to the audit trail."""
-    conn.execute(
-        """
-        insert into audit_log (command, key_id, os_user, reason)
-        values (%(command)s, %(key_id)s, %(os_user)s, %(reason)s)
-        """,
-        {"command": command, "key_id": key_id, "os_user": os_user, "reason": reason},
-    )
-
-
-def list_audit(
-    conn: Connection, key_id: int | None = None, since: datetime | None = None
-) -> list[dict[str, Any]]:
-    """The audit trail, oldest first; one key's, or since an instant, when given."""
-    return conn.execute(
-        """
-        select id,
-               at,
-               command,
-               key_id,
-               os_user,
-               reason
-          from audit_log
-         where (%(key_id)s::bigint is null or key_id = %(key_id)s)
-           and (%(since)s::timestamptz is null or at >= %(since)s)
-         order by at, id
-        """,
-        {"key_id": key_id, "since": since},
-    ).fetchall()

@@ -24,6 +24,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 
 from petstore import db, queries
+from petstore.queries import audit as audit_sql
 from petstore.queries import bans as ban_sql
 from petstore.queries import idempotency as idempotency_sql
 from petstore.queries import keys as key_sql
@@ -36,6 +37,7 @@ MODULES = {
     "ban_sql": ban_sql,
     "idempotency_sql": idempotency_sql,
     "usage_sql": usage_sql,
+    "audit_sql": audit_sql,
 }
 
 
@@ -179,8 +181,8 @@ def test_usage_queries_commit_nothing(tx: db.Connection, conn: db.Connection) ->
     assert (day["requests_2xx"], day["requests_4xx"], day["requests_429"]) == (5, 1, 1)
     [daily] = still_open(tx, usage_sql.daily_usage, tx, hour.replace(hour=0), hour.replace(day=26))
     assert daily["key_id"] == key["id"] and daily["requests_5xx"] == 1
-    still_open(tx, usage_sql.insert_audit, tx, "keys create", key["id"], "ops", None)
-    assert [row["command"] for row in still_open(tx, usage_sql.list_audit, tx)] == ["keys create"]
+    still_open(tx, audit_sql.insert_audit, tx, "keys create", key["id"], "ops", None)
+    assert [row["command"] for row in still_open(tx, audit_sql.list_audit, tx)] == ["keys create"]
     assert still_open(tx, usage_sql.delete_usage_before, tx, hour.replace(day=26)) == 1
 
     tx.rollback()

@@ -11,6 +11,7 @@ import pytest
 from psycopg import sql
 
 from petstore import db, keys
+from petstore.queries import audit as audit_sql
 from petstore.queries import usage as usage_sql
 from tests.conftest import Cli
 
@@ -133,8 +134,8 @@ def test_the_documented_grants_let_the_app_role_read_and_append_only(
         conn.execute(as_role("revoke update, delete, truncate on audit_log from {}"))
         with conn.transaction():
             conn.execute(as_role("set local role {}"))
-            usage_sql.insert_audit(conn, "keys create", None, "app", "as the app's role")
-            assert len(usage_sql.list_audit(conn)) == 2
+            audit_sql.insert_audit(conn, "keys create", None, "app", "as the app's role")
+            assert len(audit_sql.list_audit(conn)) == 2
         for statement in (
             "update audit_log set reason = null",
             "delete from audit_log",
