@@ -35,6 +35,9 @@ INSTALLERS = {
     "etcd": ".ci/install-patroni",
     "haproxy": ".ci/install-haproxy",
     "libfaketime.so.1": ".ci/install-faketime",
+    "podman": ".ci/install-podman",
+    "buildah": ".ci/install-podman",
+    "debootstrap": ".ci/install-podman",
 }
 # Libraries a test preloads, not programs: where Debian installs each.
 LIBRARIES = {"libfaketime.so.1": "/usr/lib/*/faketime/libfaketime.so.1"}
