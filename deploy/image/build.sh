@@ -141,7 +141,7 @@ buildah config \
     --env PYTHONDONTWRITEBYTECODE=1 \
     --cmd '["gunicorn", "--config", "/opt/petstore/gunicorn.conf.py", "wsgi:app"]' \
     --stop-signal SIGTERM \
-    --port 8000 \
+    --port 8000/tcp \
     --label org.opencontainers.image.title=petstore \
     --label org.opencontainers.image.version="$version" \
     --label org.opencontainers.image.revision="$commit" \
