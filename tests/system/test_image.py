@@ -23,7 +23,15 @@ import pytest
 from tests.support import reports
 from tests.support.checks import call
 from tests.support.databases import empty_database
-from tests.support.podman import UID, Container, commit_image, git_commit, podman, run_once
+from tests.support.podman import (
+    RUN_FLAGS,
+    UID,
+    Container,
+    commit_image,
+    git_commit,
+    podman,
+    run_once,
+)
 from tests.support.servers import LOOPBACK, ROOT, poll_until
 
 MAX_SIZE = 200 * 1000 * 1000
@@ -172,6 +180,13 @@ def test_the_pins_agree_with_setup_cfg() -> None:
     pins = {normal(line.split(" ;")[0]) for line in REQUIREMENTS.read_text().splitlines()}
     assert wanted
     assert wanted - pins == set()
+
+
+def test_the_docs_give_the_flags_the_tests_use() -> None:
+    """README.rst's and docs/deploying.rst's `flags=...` line is what these tests pass to podman."""
+    line = f'flags="{" ".join(RUN_FLAGS)}"'
+    for page in (ROOT / "README.rst", ROOT / "docs" / "deploying.rst"):
+        assert f"    {line}\n" in page.read_text(encoding="utf-8"), page
 
 
 def test_the_image_migrated_and_made_a_key(deployment: Deployment) -> None:
