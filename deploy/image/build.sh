@@ -154,4 +154,4 @@ shift
 for name in "$@"; do
     buildah tag "$first" "$name"
 done
-echo "built: $first $* ($(buildah images --noheading --format '{{.Size}}' "$first"))"
+echo "built: $first $* ($(buildah images --noheading --format '{{.Size}}' "$first" | head -n 1) uncompressed)"
