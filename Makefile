@@ -49,7 +49,7 @@ IMAGE ?= localhost/petstore
 IMAGE_COMMIT = $(shell git rev-parse --short HEAD)
 
 image: $(VENV)/.installed  ## As root: the service's OCI image, $(IMAGE):latest and :<commit> (podman, no registry)
-	bash deploy/image/build.sh $(IMAGE):$(IMAGE_COMMIT) $(IMAGE):latest
+	PIP="$(BIN)/python -m pip" bash deploy/image/build.sh $(IMAGE):$(IMAGE_COMMIT) $(IMAGE):latest
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'

@@ -21,6 +21,10 @@ if [ "$#" -eq 0 ]; then
     echo "usage: $0 NAME:TAG [NAME:TAG...]" >&2
     exit 2
 fi
+if [ "$(id -u)" -ne 0 ]; then
+    echo "$0: builds as root (debootstrap, buildah's storage): run it, or make image, as root" >&2
+    exit 1
+fi
 for program in buildah debootstrap git; do
     if ! PATH="$PATH:/usr/sbin:/sbin" command -v "$program" >/dev/null; then
         echo "$0: $program is missing: run bash .ci/install-podman (as root)" >&2
