@@ -48,7 +48,7 @@ docs: $(VENV)/.installed  ## Build the manual (docs/) into docs/_build/html; any
 IMAGE ?= localhost/petstore
 IMAGE_COMMIT = $(shell git rev-parse --short HEAD)
 
-image: $(VENV)/.installed  ## As root: the service's OCI image, $(IMAGE):latest and :<commit> (podman, no registry)
+image: $(VENV)/.installed  ## As root: the OCI image localhost/petstore:latest and :<commit> (buildah, no registry)
 	PIP="$(BIN)/python -m pip" bash deploy/image/build.sh $(IMAGE):$(IMAGE_COMMIT) $(IMAGE):latest
 
 $(VENV)/.bench-installed: $(VENV)/.installed
