@@ -25,13 +25,13 @@ if [ "$(id -u)" -ne 0 ]; then
     echo "$0: builds as root (debootstrap, buildah's storage): run it, or make image, as root" >&2
     exit 1
 fi
+export PATH="$PATH:/usr/sbin:/sbin"
 for program in buildah debootstrap git; do
-    if ! PATH="$PATH:/usr/sbin:/sbin" command -v "$program" >/dev/null; then
+    if ! command -v "$program" >/dev/null; then
         echo "$0: $program is missing: run bash .ci/install-podman (as root)" >&2
         exit 1
     fi
 done
-export PATH="$PATH:/usr/sbin:/sbin"
 
 suite=bookworm
 mirror=http://deb.debian.org/debian
