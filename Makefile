@@ -7,7 +7,7 @@ export BIND
 
 .DEFAULT_GOAL := help
 
-.PHONY: help run test test-fast lint format docs bench soak clean
+.PHONY: help run test test-fast lint format docs image bench soak clean
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
@@ -43,6 +43,13 @@ format: $(VENV)/.installed  ## Rewrite the code in ruff's format
 docs: $(VENV)/.installed  ## Build the manual (docs/) into docs/_build/html; any Sphinx warning fails
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 	@echo "the manual: docs/_build/html/index.html"
+
+# The image's names: latest, and the short commit its wheel is built from (tests reuse that one).
+IMAGE ?= localhost/petstore
+IMAGE_COMMIT = $(shell git rev-parse --short HEAD)
+
+image: $(VENV)/.installed  ## As root: the OCI image localhost/petstore:latest and :<commit> (buildah, no registry)
+	PIP="$(BIN)/python -m pip" bash deploy/image/build.sh $(IMAGE):$(IMAGE_COMMIT) $(IMAGE):latest
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'

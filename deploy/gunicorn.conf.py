@@ -46,7 +46,14 @@ if os.environ.get("PETSTORE_OWN_METRICS_DIR") == os.environ["PROMETHEUS_MULTIPRO
     atexit.register(_remove_own_metrics_dir, os.environ["PROMETHEUS_MULTIPROC_DIR"], os.getpid())
 
 
-def _refuse(message: str) -> None:
+# The exit statuses of a refusal: a bad or missing setting is the operator's input (2, as a
+# refused command line), a database behind the code is the release's order (1). A supervisor
+# (systemd, Kubernetes) restarts neither into success; the status says which to fix.
+BAD_SETTING = 2
+SCHEMA_BEHIND = 1
+
+
+def _refuse(message: str, status: int = BAD_SETTING) -> None:
     """One line naming the setting, then exit: before gunicorn binds, logs or boots anything.
 
     The metrics directory made above goes too: on_exit, which removes it otherwise, never runs.
@@ -54,7 +61,7 @@ def _refuse(message: str) -> None:
     if os.environ.get("PETSTORE_OWN_METRICS_DIR") == os.environ["PROMETHEUS_MULTIPROC_DIR"]:
         shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
     print(f"petstore: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
+    sys.exit(status)
 
 
 def _count(name: str, default: int) -> int:
@@ -79,7 +86,7 @@ except _config.ConfigError as _exc:
 # release (USR2) the old master keeps serving and a new host never joins nginx's upstreams.
 _missing = _migrations.refusal(_settings)
 if _missing:
-    _refuse(_missing)
+    _refuse(_missing, SCHEMA_BEHIND)
 
 # gunicorn's refusals (a request it cannot parse) are the Error JSON, not its HTML page. Set here,
 # in the master, so that every worker inherits it.

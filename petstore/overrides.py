@@ -34,6 +34,7 @@ from __future__ import annotations
 import errno
 import inspect
 import json
+import signal
 import uuid
 from http import HTTPStatus
 from typing import Any
@@ -156,6 +157,15 @@ class SyncWorker(gunicorn.workers.sync.SyncWorker):  # type: ignore[misc]
     close them at once: the worker's `wait` takes a closed socket for its cue to stop, and an
     `accept` the signal overtook (a bad descriptor, on a worker no longer alive) is the same cue.
     """
+
+    def init_signals(self) -> None:
+        super().init_signals()
+        # gunicorn has the kernel restart a system call SIGTERM interrupts: a worker blocked
+        # reading a slow request's body would run handle_exit only once the read returns, and
+        # meanwhile the kernel queues new connections on the socket still open, to reset them
+        # when it closes. Interrupted instead, the read is retried by Python itself (PEP 475)
+        # after the handler has closed the sockets.
+        signal.siginterrupt(signal.SIGTERM, True)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)

@@ -36,6 +36,9 @@ INSTALLERS = {
     "haproxy": ".ci/install-haproxy",
     "libfaketime.so.1": ".ci/install-faketime",
     "systemd-analyze": ".ci/install-systemd",
+    "podman": ".ci/install-podman",
+    "buildah": ".ci/install-podman",
+    "debootstrap": ".ci/install-podman",
 }
 # Programs that no script of .ci/ installs: the CI machines come with them (Debian's package
 # kubectl, from Kubernetes' own package repository); elsewhere, install them from there.

@@ -69,7 +69,7 @@ def test_deployed_gunicorn_says_one_line_and_exits(
     # The metrics directory is made before the settings are checked: a refusal removes it too.
     done = run(DEPLOYED, TMPDIR=str(tmp_path), **settings)
 
-    assert done.returncode == 1
+    assert done.returncode == 2  # the operator's input, as a refused command line
     assert done.stdout == ""
     assert done.stderr.startswith(f"petstore: {start}")
     assert done.stderr.count("\n") == 1, done.stderr
