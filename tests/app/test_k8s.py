@@ -19,6 +19,7 @@ import yaml
 from flask import Flask
 
 from petstore.cli import main
+from tests.support.podman import IMAGE, UID
 from tests.support.programs import program
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,11 +33,11 @@ SERVICES = ["petstore", "petstore-pods"]
 # `sleep` action by default (beta in 1.30, GA in 1.34).
 KUBERNETES_VERSIONS = ("1.37", "1.30")
 
-# The image's side of the deployment contract (issue 36, `make image`): its name, its user and
-# group (numeric, so that runAsNonRoot can be checked), the one path it writes. The pods name no
-# command, so they run the image's own CMD (gunicorn with its copy of deploy/gunicorn.conf.py).
-IMAGE = "localhost/petstore"
-IMAGE_UID = IMAGE_GID = 10001
+# The image's side of the deployment contract: its name and its user and group (numeric, so
+# that runAsNonRoot can be checked), as tests/support/podman.py has them and test_image checks
+# them on the built image; the one path it writes. The pods name no command, so they run the
+# image's own CMD (gunicorn with its copy of deploy/gunicorn.conf.py).
+IMAGE_UID = IMAGE_GID = UID
 WRITABLE_PATHS = {"/tmp"}
 
 # What deploy/gunicorn.conf.py makes of an environment, printed as JSON by a fresh interpreter:
