@@ -1,4 +1,23 @@
-"""The Animal Store service: create_app() builds the WSGI application."""
+"""The Animal Store service: create_app() builds the WSGI application.
+
+The background work of each worker (each process that runs create_app), in one place: every
+thread a worker runs, what it owns and how it stops. All are daemon threads, so none holds up an
+exit; what must not be lost at exit is written by an atexit hook instead.
+
+- psycopg_pool's workers (db.open_pool; standbys.init_app for the read pool): they open, check
+  and replace the pool's connections. They stop when the pool is closed, or with the process.
+- petstore-metrics-sampler (metrics.Sampler, in multiprocess mode): writes the worker's tally
+  and gauges every SAMPLE_SECONDS; it ends when its pool is closed or its app is gone, and
+  atexit writes the last second (metrics.flush).
+- petstore-usage-flusher (usage.Flusher): writes the worker's usage counts every
+  USAGE_FLUSH_SECONDS; it ends when its pool is closed or its app is gone, and atexit writes the
+  last batch (usage.flush_at_exit).
+- petstore-commit-watch (durable.CommitWatch, started by the first write): cancels a write still
+  running past its bound, each cancel in a short-lived thread of its own; it lives as long as
+  the process, and owns nothing that needs a goodbye.
+- petstore-log-writer (logs.StdoutHandler, when the request log is buffered): writes the
+  pending log lines every FLUSH_SECONDS; it ends when its handler is closed or gone.
+"""
 
 from __future__ import annotations
 
