@@ -301,8 +301,9 @@ def where_the_distance_goes(
 def serving_configs(
     args: argparse.Namespace, conn: Conn, database_url: str, key: str, table: Table, run: Run
 ) -> None:
-    """The service on redis:// under each gunicorn configuration: limit=20 and POST."""
-    chosen = [s for s in scenarios(table) if s.name in ("GET /v1/pets?limit=20", "POST /v1/pets")]
+    """The service on redis:// under each gunicorn configuration: limit=20 and POST, or the
+    scenarios --scenario names."""
+    chosen = scenarios(table, args.scenarios or ["GET /v1/pets?limit=20", "POST /v1/pets"])
     redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
     rounds = args.config_rounds
     side_by_side(args, conn, database_url, key, table, run, CONFIGS, chosen, rounds, run.configs)
