@@ -14,7 +14,6 @@ import pytest
 
 from bench.measure import Measure, cpu_seconds, process_tree
 from bench.numbers import ratio
-from bench.profile import folded_stacks, top_frames
 from bench.report import (
     Run,
     against_baseline,
@@ -25,6 +24,7 @@ from bench.report import (
 )
 from bench.run import parse_args, rotation
 from bench.servers import FLASK_FLOOR, RAW_FLOOR, SERVICE, Server
+from bench.studies.profile import folded_stacks, top_frames
 from tests.support.servers import poll_until
 
 SCENARIO = "GET /v1/pets/{id}"

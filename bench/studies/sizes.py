@@ -1,6 +1,6 @@
 """PostgreSQL's CPU per read at two table sizes, in paired rounds: is a read's cost flat?
 
-    .venv/bin/python -m bench.sizes [--sizes 10000,1000000[,10000000]] [--rounds 5] [--calls 3000]
+    .venv/bin/python -m bench.studies.sizes [--sizes 10000,1000000[,10000000]] [--rounds 5] [--calls 3000]
 
 A scratch database per size, seeded (database.seed: COPY, then vacuum analyze), then churned as
 `make bench` churns its table (database.churn: `--churn` creates, their deletion, a plain VACUUM,
@@ -107,7 +107,7 @@ def backend_pid(conn: Conn) -> int:
 def parse_args() -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.sizes", description=(__doc__ or "").splitlines()[0]
+        prog="python -m bench.studies.sizes", description=(__doc__ or "").splitlines()[0]
     )
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL") or None)
     parser.add_argument("--scratch-database", default="petstore_bench_sizes")

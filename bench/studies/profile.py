@@ -1,7 +1,7 @@
 """Profile one scenario on the production path: py-spy on the gunicorn workers under wrk through nginx.
 
-    .venv/bin/python -m bench.profile [--scenario "POST /v1/pets"] [--seconds 20] [--output FILE]
-    .venv/bin/python -m bench.profile --baseline 067a404     # the service as built at a commit
+    .venv/bin/python -m bench.studies.profile [--scenario "POST /v1/pets"] [--seconds 20] [--output FILE]
+    .venv/bin/python -m bench.studies.profile --baseline 067a404     # the service as built at a commit
 
 The service as `make bench` serves its headline (redis://, the default serving configuration,
 behind the shipped nginx site) on a scratch database of --size pets; wrk drives the scenario while
@@ -40,7 +40,7 @@ AROUND = ("process ", "<module> (gunicorn", "Arbiter.", "_run_", "run (gunicorn"
 def parse_args() -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.profile", description=(__doc__ or "").splitlines()[0]
+        prog="python -m bench.studies.profile", description=(__doc__ or "").splitlines()[0]
     )
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL") or None)
     parser.add_argument("--scratch-database", default="petstore_bench_profile")
