@@ -26,10 +26,9 @@ from pathlib import Path
 
 import redis
 
-from bench.database import bench_database, commit_wait, forget_new_pets, seed
-from bench.measure import ROOT, Measure, Target, ensure_program, log, run_wrk
-from bench.run import PRODUCTION, scenarios
-from bench.servers import start_servers
+from bench.database import bench_database, commit_wait, forget_new_pets, scenarios, seed
+from bench.measure import ROOT, Measure, ensure_program, log, run_wrk
+from bench.servers import PRODUCTION, start_servers
 
 TOP = 25
 # Frames every sample has (py-spy's process line, gunicorn's worker loop, runpy): left out of
@@ -131,7 +130,8 @@ def main() -> int:
     redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
     folded = args.output.with_suffix(".folded")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    with bench_database(args) as (_server_url, database_url, key, conn):
+    scratch = bench_database(args.database_url, args.scratch_database)
+    with scratch as (_server_url, database_url, key, conn):
         log(f"seeding {args.size:,} pets (COPY)")
         table = seed(conn, args.size)
         chosen = next(s for s in scenarios(table) if s.name == args.scenario)
@@ -142,13 +142,7 @@ def main() -> int:
             running = start_servers(stack, (server,), database_url, args.redis_url, "profile")[
                 server
             ]
-            env = {
-                **os.environ,
-                "BENCH_KEY": key,
-                "BENCH_MIN_ID": str(table.min_id),
-                "BENCH_MAX_ID": str(table.max_id),
-            }
-            target = Target(running.port, running.app_pids, running.nginx_pids, env)
+            target = running.target(key, table)
             run_wrk(target, chosen, 3, args.connections, 1)  # warm-up
             forget_new_pets(conn, table)
             command = [

@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.database import Conn, Table, bench_database, churn, explain, seed
 from bench.measure import cpu_seconds, log
-from bench.run import rotation
+from bench.numbers import rotation
 from petstore.queries import pets
 
 
@@ -139,10 +139,8 @@ def main() -> int:
         conns: dict[int, Conn] = {}
         tables: dict[int, Table] = {}
         for size in args.sizes:
-            scratch = argparse.Namespace(
-                database_url=args.database_url, scratch_database=f"{args.scratch_database}_{size}"
-            )
-            _server, _url, _key, conn = stack.enter_context(bench_database(scratch))
+            scratch = bench_database(args.database_url, f"{args.scratch_database}_{size}")
+            _server, _url, _key, conn = stack.enter_context(scratch)
             log(f"seeding {size:,} pets (COPY)")
             tables[size], conns[size] = seed(conn, size), conn
             if args.churn:
