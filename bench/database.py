@@ -3,12 +3,11 @@ the servers' PostgreSQL backends, and the plans of the list queries."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import psycopg
 from psycopg import conninfo, sql
 from psycopg.rows import dict_row
 
-from bench.measure import ROOT, log, socket_ports
+from bench.measure import ROOT, Scenario, log, socket_ports
 from petstore import config, db, keys, migrations
 from petstore.queries import pets
 
@@ -55,6 +54,39 @@ class Table:
             f"/v1/pets/{self.min_id}",
             "/v1/pets/0",
         )
+
+
+def scenarios(table: Table, only: Sequence[str] = ()) -> list[Scenario]:
+    """The measured scenarios (those named in `only`, when given)."""
+    every = [
+        Scenario("GET /v1/pets?limit=20", "get.lua", "/v1/pets?limit=20"),
+        Scenario(
+            "GET /v1/pets?limit=100&status=available",
+            "get.lua",
+            "/v1/pets?limit=100&status=available",
+        ),
+        Scenario("deep page, then rel=next", "follow.lua", table.deep_path),
+        Scenario("GET /v1/pets/{id}", "pet.lua", "/v1/pets/1"),
+        Scenario("POST /v1/pets", "post.lua", "/v1/pets", writes=True),
+        Scenario("mixed 80/20 read/write", "mixed.lua", "/v1/pets", writes=True),
+    ]
+    unknown = set(only) - {each.name for each in every}
+    if unknown:
+        raise ValueError(f"no such scenario: {', '.join(sorted(unknown))}")
+    return [each for each in every if not only or each.name in only]
+
+
+def size_checks(table: Table) -> list[Scenario]:
+    """The pages whose latency must not grow with the table (first one first)."""
+    return [
+        Scenario("first page", "get.lua", f"/v1/pets?limit={PAGE_LIMIT}"),
+        Scenario(f"page {table.page:,}, then rel=next", "follow.lua", table.deep_path),
+        Scenario(
+            "filtered page (status=available)",
+            "get.lua",
+            f"/v1/pets?limit={PAGE_LIMIT}&status=available",
+        ),
+    ]
 
 
 def redacted(url: str) -> str:
@@ -214,18 +246,20 @@ def explain_list_queries(conn: Conn, table: Table) -> list[tuple[str, str, str]]
 
 
 @contextlib.contextmanager
-def bench_database(args: argparse.Namespace) -> Iterator[tuple[str, str, str, Conn]]:
-    """(server URL, database URL, enterprise key, admin connection) of a fresh scratch database."""
+def bench_database(
+    server_url: str | None, scratch_database: str
+) -> Iterator[tuple[str, str, str, Conn]]:
+    """(server URL, database URL, enterprise key, admin connection) of a fresh scratch database
+    `scratch_database` on `server_url` (None: the embedded PostgreSQL under var/bench-postgres)."""
     with contextlib.ExitStack() as cleanup:
-        server_url = args.database_url
         if server_url is None:
             from petstore import embedded
 
             cleanup.callback(embedded.stop, EMBEDDED_DIR)
             log(f"starting the embedded PostgreSQL in var/{EMBEDDED_DIR.name}")
             server_url = embedded.ensure_running(EMBEDDED_DIR)
-        database_url = create_database(server_url, args.scratch_database)
-        cleanup.callback(drop_database, server_url, args.scratch_database)
+        database_url = create_database(server_url, scratch_database)
+        cleanup.callback(drop_database, server_url, scratch_database)
         with db.connect(config.from_environ({"DATABASE_URL": database_url})) as setup:
             migrations.upgrade(setup)
             key, _row = keys.issue_key(setup, "enterprise", "bench", 10**9, 10**9)

@@ -19,10 +19,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from flask import Flask, Response
 from werkzeug.test import EnvironBuilder
 
 from bench.flask_floor import create_flask_floor
+from bench.measure import log
 from petstore import create_app, logs, schemas, usage, web
 
 PATH = "/v1/pets?limit=20"
@@ -229,3 +231,11 @@ def budget_table(budget: Budget, validation: dict[str, float], requests: int, ro
             f"| ≤ {VALIDATION_TARGET_US} | {met} |"
         )
     return "\n".join(lines)
+
+
+def budget(redis_url: str, database_url: str, key: str, requests: int, rounds: int) -> str:
+    """The in-process per-request budget table: `rounds` of `requests` calls per app."""
+    log(f"in-process budget: {rounds} rounds of {requests} direct WSGI calls per app")
+    redis.Redis.from_url(redis_url, socket_timeout=5).flushdb()
+    found, validation = measure_budget(database_url, redis_url, key, requests, rounds)
+    return budget_table(found, validation, requests, rounds)

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import TypeVar
 
 from bench.measure import Measure
 
 # The targets of the service against the bare-Flask floor (issue 9): reads, and writes or mixed.
 READ_TARGET, WRITE_TARGET = 0.85, 0.8
+T = TypeVar("T")
+
+
+def rotation(servers: list[T], number: int) -> list[T]:
+    """The order of the servers in round `number`: shifted by one each round, so that no server
+    always runs first on a scenario (after the pets of a write scenario were deleted) or last."""
+    shift = number % len(servers) if servers else 0
+    return servers[shift:] + servers[:shift]
 
 
 def fmt(value: float | None, digits: int = 0) -> str:

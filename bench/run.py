@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import multiprocessing
 import os
 import shlex
 import signal
@@ -34,9 +33,10 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TypeVar
+from typing import Any
 
 import redis
 
@@ -49,9 +49,11 @@ from bench.database import (
     explain_list_queries,
     forget_new_pets,
     pool_backends,
+    scenarios,
     seed,
+    size_checks,
 )
-from bench.inprocess import budget_table, measure_budget
+from bench.inprocess import budget
 from bench.machine import machine_facts, note_background_load
 from bench.measure import (
     ROOT,
@@ -66,12 +68,15 @@ from bench.measure import (
     peak_rss_kib,
     run_wrk,
 )
+from bench.numbers import rotation
 from bench.plots import plot_size, plot_summary
 from bench.report import Run, previous_report, render
 from bench.servers import (
-    FLASK_FLOOR,
-    RAW_FLOOR,
-    SERVICE,
+    CONFIGS,
+    DISTANCE,
+    MEMORY,
+    PRODUCTION,
+    REDIS,
     Answers,
     Running,
     Server,
@@ -84,76 +89,6 @@ SIZE_ROUNDS = 5  # at most, of the cost against table size
 # Paired rounds of the headline: fewer leave the median of the rounds' ratios at the mercy of
 # one or two rounds that background load disturbed (bench/results/README.rst).
 MIN_ROUNDS = 5
-T = TypeVar("T")
-
-# deploy/gunicorn.conf.py's default with a shared storage: sync workers, one per core + 1.
-SHARED_WORKERS = multiprocessing.cpu_count() + 1
-# The headline: the production path, redis:// and the default serving configuration, through
-# the shipped nginx site (one nginx per server).
-PRODUCTION = tuple(
-    Server(app, "redis", SHARED_WORKERS, threads=1, worker_class="sync", nginx=True)
-    for app in (SERVICE, FLASK_FLOOR, RAW_FLOOR)
-)
-# The same servers, wrk straight to gunicorn.
-REDIS = tuple(
-    Server(app, "redis", SHARED_WORKERS, threads=1, worker_class="sync")
-    for app in (SERVICE, FLASK_FLOOR, RAW_FLOOR)
-)
-# memory://'s default: one gthread worker × 4 threads.
-MEMORY = tuple(Server(app, "memory", 1) for app in (SERVICE, FLASK_FLOOR, RAW_FLOOR))
-# Where the distance between the service and the floors goes: parts of the service switched off.
-DISTANCE = (
-    Server(RAW_FLOOR, "memory", 1),
-    Server(FLASK_FLOOR, "memory", 1),
-    Server(SERVICE, "memory", 1, without=("limiter", "request log")),
-    Server(SERVICE, "memory", 1, without=("limiter",)),
-    Server(SERVICE, "memory", 1),
-)
-# Serving configurations for 2 cores with redis://, through nginx (issue 20, target 1): sync
-# workers (a new connection from nginx for every request) against gthread workers, which keep
-# nginx's upstream connections alive (GUNICORN_KEEPALIVE); gunicorn's other worker classes need
-# gevent, eventlet or tornado and a psycopg that cooperates with them.
-CONFIGS = (
-    Server(SERVICE, "redis", 3, threads=1, worker_class="sync", nginx=True),
-    Server(SERVICE, "redis", 5, threads=1, worker_class="sync", nginx=True),
-    Server(SERVICE, "redis", 3, threads=1, nginx=True),
-    Server(SERVICE, "redis", 5, threads=1, nginx=True),
-    Server(SERVICE, "redis", 3, threads=2, nginx=True),
-    Server(SERVICE, "redis", 2, threads=4, nginx=True),
-)
-
-
-def scenarios(table: Table, only: list[str] | None = None) -> list[Scenario]:
-    """The measured scenarios (those named in `only`, when given)."""
-    every = [
-        Scenario("GET /v1/pets?limit=20", "get.lua", "/v1/pets?limit=20"),
-        Scenario(
-            "GET /v1/pets?limit=100&status=available",
-            "get.lua",
-            "/v1/pets?limit=100&status=available",
-        ),
-        Scenario("deep page, then rel=next", "follow.lua", table.deep_path),
-        Scenario("GET /v1/pets/{id}", "pet.lua", "/v1/pets/1"),
-        Scenario("POST /v1/pets", "post.lua", "/v1/pets", writes=True),
-        Scenario("mixed 80/20 read/write", "mixed.lua", "/v1/pets", writes=True),
-    ]
-    unknown = set(only or ()) - {each.name for each in every}
-    if unknown:
-        raise ValueError(f"no such scenario: {', '.join(sorted(unknown))}")
-    return [each for each in every if not only or each.name in only]
-
-
-def size_checks(table: Table) -> list[Scenario]:
-    """The pages whose latency must not grow with the table (first one first)."""
-    return [
-        Scenario("first page", "get.lua", f"/v1/pets?limit={PAGE_LIMIT}"),
-        Scenario(f"page {table.page:,}, then rel=next", "follow.lua", table.deep_path),
-        Scenario(
-            "filtered page (status=available)",
-            "get.lua",
-            f"/v1/pets?limit={PAGE_LIMIT}&status=available",
-        ),
-    ]
 
 
 def interrupt(signum: int, frame: FrameType | None) -> None:
@@ -161,21 +96,23 @@ def interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What every step of a run works with: the options, the scratch database (its URL, the
+    bench key, an admin connection) and the Run that gathers the measures."""
+
+    options: Options
+    database_url: str
+    key: str
+    conn: Conn
+    run: Run
+
+
 def check_and_warm_up(
-    args: argparse.Namespace,
-    conn: Conn,
-    masters: dict[Server, Running],
-    key: str,
-    table: Table,
-    run: Run,
+    setup: Setup, masters: dict[Server, Running], table: Table
 ) -> dict[Server, Target]:
     """Compare each server's answers with the first one's, warm it up; wrk's targets."""
-    wrk_env = {
-        **os.environ,
-        "BENCH_KEY": key,
-        "BENCH_MIN_ID": str(table.min_id),
-        "BENCH_MAX_ID": str(table.max_id),
-    }
+    key, run = setup.key, setup.run
     targets: dict[Server, Target] = {}
     reference: Answers = {}
     for server, running in masters.items():
@@ -184,16 +121,20 @@ def check_and_warm_up(
             label = f"{server.label} ({table.size:,} pets)"
             run.notes += compare_answers(reference, answers, label)
         reference = reference or answers
-        targets[server] = Target(running.port, running.app_pids, running.nginx_pids, wrk_env)
-        warm_up = Scenario("warm-up", "mixed.lua", "/v1/pets")
-        run_wrk(targets[server], warm_up, args.warmup, args.connections, args.threads)
-        forget_new_pets(conn, table)
+        targets[server] = running.target(key, table)
+        warm_up(setup.options, targets[server], setup.conn, table)
     return targets
 
 
+def warm_up(options: Options, target: Target, conn: Conn, table: Table) -> None:
+    """--warmup seconds of the mixed scenario, then the pets it created deleted."""
+    warming = Scenario("warm-up", "mixed.lua", "/v1/pets")
+    run_wrk(target, warming, options.warmup, options.connections, options.threads)
+    forget_new_pets(conn, table)
+
+
 def interleaved(
-    args: argparse.Namespace,
-    conn: Conn,
+    setup: Setup,
     table: Table,
     targets: dict[Server, Target],
     chosen: list[Scenario],
@@ -201,30 +142,18 @@ def interleaved(
     keep: Callable[[Server, Scenario, Measure], None],
 ) -> None:
     """`rounds` paired rounds: each runs every scenario on every server once, in turn."""
-    redis_pids = local_redis_pids(args.redis_url)
+    options, conn = setup.options, setup.conn
+    redis_pids = local_redis_pids(options.redis_url)
     for number in range(rounds):
         log(f"{table.size:>9,} pets  round {number + 1} of {rounds}")
         for scenario in chosen:
             for server, target in rotation(list(targets.items()), number):
-                measure = run_wrk(
-                    target,
-                    scenario,
-                    args.duration,
-                    args.connections,
-                    args.threads,
-                    pool_backends(conn, target.app_pids()),
-                    redis_pids if server.storage == "redis" else None,
-                )
+                backends = pool_backends(conn, target.app_pids())
+                its_redis = redis_pids if server.storage == "redis" else None
+                measure = options.wrk(target, scenario, backends, its_redis)
                 keep(server, scenario, measure)
                 if scenario.writes:
                     forget_new_pets(conn, table)
-
-
-def rotation(servers: list[T], number: int) -> list[T]:
-    """The order of the servers in round `number`: shifted by one each round, so that no server
-    always runs first on a scenario (after the pets of a write scenario were deleted) or last."""
-    shift = number % len(servers) if servers else 0
-    return servers[shift:] + servers[:shift]
 
 
 def say(table: Table, label: str, name: str, measures: list[Measure]) -> None:
@@ -237,23 +166,15 @@ def say(table: Table, label: str, name: str, measures: list[Measure]) -> None:
     )
 
 
-def bench_group(
-    args: argparse.Namespace,
-    conn: Conn,
-    database_url: str,
-    key: str,
-    table: Table,
-    servers: tuple[Server, ...],
-    rounds: int,
-    run: Run,
-) -> None:
+def bench_group(setup: Setup, table: Table, servers: tuple[Server, ...], rounds: int) -> None:
     """The service and both floors of one group: interleaved rounds of every scenario."""
-    redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
+    options, conn, run = setup.options, setup.conn, setup.run
+    redis.Redis.from_url(options.redis_url, socket_timeout=5).flushdb()
     with contextlib.ExitStack() as stack:
         masters = start_servers(
-            stack, servers, database_url, args.redis_url, str(table.size), run.commands
+            stack, servers, setup.database_url, options.redis_url, str(table.size), run.commands
         )
-        targets = check_and_warm_up(args, conn, masters, key, table, run)
+        targets = check_and_warm_up(setup, masters, table)
 
         def keep(server: Server, scenario: Scenario, measure: Measure) -> None:
             run.rounds.setdefault((table.size, server.label, scenario.name), []).append(measure)
@@ -266,56 +187,42 @@ def bench_group(
                     f"{server.label}, {table.size:,} pets, {scenario.name}: {measure.errors} errors"
                 )
 
-        chosen = scenarios(table, args.scenarios)
-        interleaved(args, conn, table, targets, chosen, rounds, keep)
+        chosen = scenarios(table, options.scenarios)
+        interleaved(setup, table, targets, chosen, rounds, keep)
         for scenario in chosen:
             for server in servers:
-                say(
-                    table,
-                    server.label,
-                    scenario.name,
-                    run.rounds[(table.size, server.label, scenario.name)],
-                )
-        if table.size == max(args.sizes) and servers == MEMORY:
-            check_sizes(args, conn, table, targets, run)
+                kept = run.rounds[(table.size, server.label, scenario.name)]
+                say(table, server.label, scenario.name, kept)
+        if table.size == max(options.sizes) and servers == MEMORY:
+            check_sizes(setup, table, targets)
         for server, running in masters.items():
             run.rss_kib[(table.size, server.label)] = [
                 peak_rss_kib(pid) for pid in running.worker_pids()
             ]
 
 
-def where_the_distance_goes(
-    args: argparse.Namespace, conn: Conn, database_url: str, key: str, table: Table, run: Run
-) -> None:
+def where_the_distance_goes(setup: Setup, table: Table) -> None:
     """The floors, the service without the limiter and the request log, without the limiter, whole."""
     reads = [
         s for s in scenarios(table) if s.name in ("GET /v1/pets?limit=20", "GET /v1/pets/{id}")
     ]
-    run.distance_servers = DISTANCE
-    run.distance_size = table.size
-    side_by_side(
-        args, conn, database_url, key, table, run, DISTANCE, reads, args.second_rounds, run.distance
-    )
+    setup.run.distance_servers = DISTANCE
+    setup.run.distance_size = table.size
+    side_by_side(setup, table, DISTANCE, reads, setup.options.second_rounds, setup.run.distance)
 
 
-def serving_configs(
-    args: argparse.Namespace, conn: Conn, database_url: str, key: str, table: Table, run: Run
-) -> None:
+def serving_configs(setup: Setup, table: Table) -> None:
     """The service on redis:// under each gunicorn configuration: limit=20 and POST, or the
     scenarios --scenario names."""
-    chosen = scenarios(table, args.scenarios or ["GET /v1/pets?limit=20", "POST /v1/pets"])
-    redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
-    rounds = args.config_rounds
-    side_by_side(args, conn, database_url, key, table, run, CONFIGS, chosen, rounds, run.configs)
+    names = setup.options.scenarios or ["GET /v1/pets?limit=20", "POST /v1/pets"]
+    chosen = scenarios(table, names)
+    redis.Redis.from_url(setup.options.redis_url, socket_timeout=5).flushdb()
+    side_by_side(setup, table, CONFIGS, chosen, setup.options.config_rounds, setup.run.configs)
 
 
 def side_by_side(
-    args: argparse.Namespace,
-    conn: Conn,
-    database_url: str,
-    key: str,
+    setup: Setup,
     table: Table,
-    run: Run,
     servers: tuple[Server, ...],
     chosen: list[Scenario],
     rounds: int,
@@ -323,101 +230,77 @@ def side_by_side(
 ) -> None:
     """Start `servers`, run `rounds` interleaved rounds of `chosen` on them, keep each measure
     in `into` by (scenario, server label), and say how each did."""
+    options, run = setup.options, setup.run
     with contextlib.ExitStack() as stack:
         masters = start_servers(
-            stack, servers, database_url, args.redis_url, str(table.size), run.commands
+            stack, servers, setup.database_url, options.redis_url, str(table.size), run.commands
         )
-        targets = check_and_warm_up(args, conn, masters, key, table, run)
+        targets = check_and_warm_up(setup, masters, table)
 
         def keep(server: Server, scenario: Scenario, measure: Measure) -> None:
             into.setdefault((scenario.name, server.label), []).append(measure)
 
-        interleaved(args, conn, table, targets, chosen, rounds, keep)
+        interleaved(setup, table, targets, chosen, rounds, keep)
     for (name, label), measures in into.items():
         say(table, label, name, measures)
 
 
-def table_sizes(
-    args: argparse.Namespace, conn: Conn, server_url: str, database_url: str, key: str, run: Run
-) -> None:
-    """The same service on the first size's table and on --size-comparison's, each through its
-    own nginx, in paired rounds of the read scenarios."""
-    small = seed(conn, min(args.sizes))
-    larger = argparse.Namespace(
-        database_url=server_url, scratch_database=f"{args.scratch_database}_large"
-    )
-    servers = tuple(
-        dataclasses.replace(PRODUCTION[0], pets=size) for size in (small.size, args.size_comparison)
-    )
+def table_sizes(setup: Setup, server_url: str, larger: int) -> None:
+    """The same service on the first size's table and on `larger` pets' (--size-comparison),
+    each through its own nginx, in paired rounds of the read scenarios."""
+    options, conn, run = setup.options, setup.conn, setup.run
+    small = seed(conn, min(options.sizes))
+    servers = tuple(dataclasses.replace(PRODUCTION[0], pets=size) for size in (small.size, larger))
     run.size_pair = servers
-    redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
+    redis.Redis.from_url(options.redis_url, socket_timeout=5).flushdb()
     with contextlib.ExitStack() as stack:
-        _server_url, large_url, large_key, large_conn = stack.enter_context(bench_database(larger))
-        log(f"seeding {args.size_comparison:,} pets (COPY) beside the {small.size:,}")
-        large = seed(large_conn, args.size_comparison)
+        _server_url, large_url, large_key, large_conn = stack.enter_context(
+            bench_database(server_url, f"{options.scratch_database}_large")
+        )
+        log(f"seeding {larger:,} pets (COPY) beside the {small.size:,}")
+        large = seed(large_conn, larger)
         sides = {
-            servers[0]: (database_url, key, small, conn),
+            servers[0]: (setup.database_url, setup.key, small, conn),
             servers[1]: (large_url, large_key, large, large_conn),
         }
         targets, chosen = {}, {}
         for server, (url, its_key, table, its_conn) in sides.items():
             running = start_servers(
-                stack, (server,), url, args.redis_url, str(table.size), run.commands
+                stack, (server,), url, options.redis_url, str(table.size), run.commands
             )[server]
-            env = {
-                **os.environ,
-                "BENCH_KEY": its_key,
-                "BENCH_MIN_ID": str(table.min_id),
-                "BENCH_MAX_ID": str(table.max_id),
-            }
-            targets[server] = Target(running.port, running.app_pids, running.nginx_pids, env)
-            warm_up = Scenario("warm-up", "mixed.lua", "/v1/pets")
-            run_wrk(targets[server], warm_up, args.warmup, args.connections, args.threads)
-            forget_new_pets(its_conn, table)
+            targets[server] = running.target(its_key, table)
+            warm_up(options, targets[server], its_conn, table)
             # The deep page: the one before the last, at either size.
             near_end = dataclasses.replace(table, cursor=table.max_id - 2 * PAGE_LIMIT)
             chosen[server] = [each for each in scenarios(near_end) if not each.writes]
         names = [each.name for each in chosen[servers[0]]]
         run.scenario_names = list(dict.fromkeys([*run.scenario_names, *names]))
-        redis_pids = local_redis_pids(args.redis_url)
-        for number in range(args.rounds):
-            log(f"table sizes  round {number + 1} of {args.rounds}")
+        redis_pids = local_redis_pids(options.redis_url)
+        for number in range(options.rounds):
+            log(f"table sizes  round {number + 1} of {options.rounds}")
             for index in range(len(chosen[servers[0]])):
                 for server in rotation(list(servers), number):
                     scenario = chosen[server][index]
-                    measure = run_wrk(
-                        targets[server],
-                        scenario,
-                        args.duration,
-                        args.connections,
-                        args.threads,
-                        pool_backends(sides[server][3], targets[server].app_pids()),
-                        redis_pids,
-                    )
+                    backends = pool_backends(sides[server][3], targets[server].app_pids())
+                    measure = options.wrk(targets[server], scenario, backends, redis_pids)
                     run.rounds.setdefault((small.size, server.label, scenario.name), []).append(
                         measure
                     )
         for server in servers:
             for scenario in chosen[server]:
-                say(
-                    small,
-                    server.label,
-                    scenario.name,
-                    run.rounds[(small.size, server.label, scenario.name)],
-                )
+                kept = run.rounds[(small.size, server.label, scenario.name)]
+                say(small, server.label, scenario.name, kept)
 
 
-def check_sizes(
-    args: argparse.Namespace, conn: Conn, table: Table, targets: dict[Server, Target], run: Run
-) -> None:
+def check_sizes(setup: Setup, table: Table, targets: dict[Server, Target]) -> None:
     """Latency of the first, the deep and a filtered page at one connection: service, raw floor.
 
     In rounds of one second, each page on each server in turn; each page keeps the median of
     its rounds' medians.
     """
     rounds: dict[tuple[str, str], list[Measure]] = {}
-    chosen = (MEMORY[0], MEMORY[2])
-    for _round in range(min(args.rounds, SIZE_ROUNDS)):
+    chosen, conn, run = (MEMORY[0], MEMORY[2]), setup.conn, setup.run
+    for _round in range(min(setup.options.rounds, SIZE_ROUNDS)):
         for check in size_checks(table):
             for server in chosen:
                 target = targets[server]
@@ -434,190 +317,209 @@ def check_sizes(
 # --- the run -----------------------------------------------------------------------------------
 
 
-def parse_args() -> argparse.Namespace:
-    """The command line."""
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.run", description=(__doc__ or "").splitlines()[0]
-    )
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get("DATABASE_URL") or None,
-        help="PostgreSQL server to make the scratch database on "
+def option(default: Any, text: str, **argparse_kwargs: Any) -> Any:
+    """A field of Options: its default, its --help text and what else argparse needs."""
+    return dataclasses.field(default=default, metadata={"help": text, **argparse_kwargs})
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a run measures and how: the command line's options, their defaults and help."""
+
+    database_url: str | None = option(
+        None,
+        "PostgreSQL server to make the scratch database on "
         "(default: $DATABASE_URL, else the embedded one under var/bench-postgres)",
     )
-    parser.add_argument(
-        "--scratch-database",
-        default="petstore_bench",
-        help="the database made afresh for the run, and dropped after it (default petstore_bench)",
-    )
-    parser.add_argument(
-        "--redis-url", default="redis://127.0.0.1:6379/9", help="emptied before use"
-    )
-    parser.add_argument(
-        "--sizes",
-        default=[10_000, 1_000_000],
-        type=lambda text: sorted(int(each) for each in text.split(",")),
-        help="pets in the table, comma-separated (default 10000,1000000); redis:// and the "
-        "serving configurations run at the first size only",
+    scratch_database: str = option("petstore_bench", "made afresh for the run, dropped after it")
+    redis_url: str = option("redis://127.0.0.1:6379/9", "emptied before use")
+    sizes: tuple[int, ...] = option(
+        (10_000, 1_000_000),
+        "pets in the table, comma-separated (default 10000,1000000); redis:// and the serving "
+        "configurations run at the first size only",
+        type=lambda text: tuple(sorted(int(each) for each in text.split(","))),
     )
     # Short rounds, many of them: background load comes and goes, and a ratio's median over
     # many short interleaved rounds moves less than over a few long ones in the same time.
-    parser.add_argument("--duration", type=int, default=1, help="seconds per round (default 1)")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=8,
-        help=f"paired rounds per scenario, at least {MIN_ROUNDS} (default 8)",
+    duration: int = option(1, "seconds per round")
+    rounds: int = option(8, f"paired rounds per scenario, at least {MIN_ROUNDS}")
+    warmup: int = option(2, "seconds of warm-up per server")
+    connections: int = option(8, "wrk connections")
+    threads: int = option(1, "wrk threads")
+    second_rounds: int = option(
+        4,
+        "rounds of the tables after the headline and memory:// at the first size: redis:// "
+        "straight to gunicorn, memory:// at the larger sizes, where the distance goes",
     )
-    parser.add_argument("--warmup", type=int, default=2, help="seconds of warm-up per server")
-    parser.add_argument("--connections", type=int, default=8, help="wrk connections (default 8)")
-    parser.add_argument("--threads", type=int, default=1, help="wrk threads (default 1)")
-    parser.add_argument(
-        "--second-rounds",
-        type=int,
-        default=4,
-        help="rounds of the tables after the headline and memory:// at the first size: redis:// "
-        "straight to gunicorn, memory:// at the larger sizes, where the distance goes (default 4)",
-    )
-    parser.add_argument(
-        "--configs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run the serving configurations table through nginx (default: on)",
-    )
-    parser.add_argument(
-        "--baseline",
+    configs: bool = option(True, "run the serving configurations table through nginx (default: on)")
+    baseline: str | None = option(
+        None,
+        "also serve the service as built at COMMIT (git archive into var/bench-baseline/) in "
+        "the production path's rotation, and report the service against it",
         metavar="COMMIT",
-        help="also serve the service as built at COMMIT (git archive into var/bench-baseline/) "
-        "in the production path's rotation, and report the service against it",
     )
-    parser.add_argument(
-        "--commit-wait",
-        action="store_true",
-        help="also serve the service with synchronous_commit off in the production path's "
+    commit_wait: bool = option(
+        False,
+        "also serve the service with synchronous_commit off in the production path's "
         "rotation: what a commit's wait for its WAL flush costs each scenario",
     )
-    parser.add_argument(
-        "--size-comparison",
+    size_comparison: int | None = option(
+        None,
+        "also serve the production path's service on a second database of PETS pets beside "
+        "the first size's, and compare the two in paired rounds of the read scenarios",
         type=int,
         metavar="PETS",
-        help="also serve the production path's service on a second database of PETS pets beside "
-        "the first size's, and compare the two in paired rounds of the read scenarios",
     )
-    parser.add_argument(
-        "--production-only",
-        action="store_true",
-        help="only the production path (the headline) at the first size: no other group, "
+    production_only: bool = option(
+        False,
+        "only the production path (the headline) at the first size: no other group, "
         "distance, configurations, plans or in-process budget",
     )
-    parser.add_argument(
-        "--scenario",
+    scenarios: tuple[str, ...] = option(
+        (),
+        "only this scenario (its name as the report gives it; repeat for more; default: all)",
+        flag="--scenario",
         action="append",
-        dest="scenarios",
         metavar="NAME",
-        help="only this scenario (its name as the report gives it; repeat for more; default: all)",
     )
-    parser.add_argument(
-        "--configs-only",
-        action="store_true",
-        help="only the serving configurations through nginx, at the first size, into "
+    configs_only: bool = option(
+        False,
+        "only the serving configurations through nginx, at the first size, into "
         "<date>-<host>-configs.md",
     )
-    parser.add_argument(
-        "--config-rounds", type=int, default=4, help="rounds of the configurations (default 4)"
+    config_rounds: int = option(4, "rounds of the configurations")
+    in_process_only: bool = option(
+        False, "only the in-process per-request budget table, printed (no wrk, no servers)"
     )
-    parser.add_argument(
-        "--in-process-only",
-        action="store_true",
-        help="only the in-process per-request budget table, printed (no wrk, no servers)",
+    in_process_requests: int = option(400, "requests per in-process round")
+    in_process_rounds: int = option(8, "in-process rounds")
+    output: Path = option(ROOT / "bench" / "results", "report directory (default bench/results)")
+
+    def command_line(self) -> str:
+        """The command that runs what these options ran, as the report gives it."""
+        return (
+            f".venv/bin/python -m bench.run --sizes {','.join(map(str, self.run_sizes()))} "
+            f"--duration {self.duration} --rounds {self.rounds} "
+            f"--second-rounds {self.second_rounds} --config-rounds {self.config_rounds} "
+            f"--warmup {self.warmup} --connections {self.connections} --threads {self.threads}"
+            + ("" if self.configs else " --no-configs")
+            + (f" --baseline {self.baseline}" if self.baseline else "")
+            + (" --commit-wait" if self.commit_wait else "")
+            + (f" --size-comparison {self.size_comparison}" if self.size_comparison else "")
+            + (" --production-only" if self.production_only else "")
+            + "".join(f" --scenario {shlex.quote(name)}" for name in self.scenarios)
+            + (" --configs-only" if self.configs_only else "    # make bench runs the defaults")
+        )
+
+    def scratch(self) -> contextlib.AbstractContextManager[tuple[str, str, str, Conn]]:
+        """The run's scratch database: (server URL, database URL, key, admin connection)."""
+        return bench_database(self.database_url, self.scratch_database)
+
+    def wrk(
+        self,
+        target: Target,
+        scenario: Scenario,
+        backends: list[int] | None,
+        redis_pids: list[int] | None,
+    ) -> Measure:
+        """One run of wrk for --duration with --connections and --threads (measure.run_wrk)."""
+        return run_wrk(
+            target, scenario, self.duration, self.connections, self.threads, backends, redis_pids
+        )
+
+    def budget(self, database_url: str, key: str) -> str:
+        """The in-process per-request budget table (--in-process-requests, --in-process-rounds)."""
+        requests, rounds = self.in_process_requests, self.in_process_rounds
+        return budget(self.redis_url, database_url, key, requests, rounds)
+
+    def run_sizes(self) -> list[int]:
+        """The table sizes measured: the first alone with --production-only or --configs-only."""
+        return list(self.sizes[:1] if self.production_only or self.configs_only else self.sizes)
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
+    """The command line (sys.argv's without `argv`) as Options, each option from its field."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run", description=(__doc__ or "").splitlines()[0]
     )
-    parser.add_argument(
-        "--in-process-requests", type=int, default=400, help="requests per in-process round"
-    )
-    parser.add_argument(
-        "--in-process-rounds", type=int, default=8, help="in-process rounds (default 8)"
-    )
-    parser.add_argument(
-        "--output", type=Path, default=ROOT / "bench" / "results", help="report directory"
-    )
-    args = parser.parse_args()
-    counts = (args.duration, args.warmup, args.second_rounds, args.config_rounds)
+    for each in dataclasses.fields(Options):
+        kwargs = {"dest": each.name, "default": each.default, **each.metadata}
+        flag = kwargs.pop("flag", f"--{each.name.replace('_', '-')}")
+        if isinstance(each.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction if each.default else "store_true"
+        elif each.default not in (None, ()):
+            kwargs.setdefault("type", type(each.default))
+            if "default" not in kwargs["help"]:
+                kwargs["help"] += " (default %(default)s)"
+        parser.add_argument(flag, **kwargs)
+    # argparse appends to --scenario's default: a list of its own, not the tuple.
+    parser.set_defaults(database_url=os.environ.get("DATABASE_URL") or None, scenarios=None)
+    parsed = vars(parser.parse_args(argv))
+    options = Options(**{**parsed, "scenarios": tuple(parsed["scenarios"] or ())})
+    counts = (options.duration, options.warmup, options.second_rounds, options.config_rounds)
     if min(counts) < 1:
         parser.error("--duration, --warmup, --second-rounds, --config-rounds: at least 1")
-    if args.rounds < MIN_ROUNDS:
+    if options.rounds < MIN_ROUNDS:
         parser.error(
             f"--rounds: at least {MIN_ROUNDS} (paired rounds, see bench/results/README.rst)"
         )
-    if min(args.sizes) < 2 * PAGE_LIMIT:
+    if min(options.sizes) < 2 * PAGE_LIMIT:
         parser.error(f"--sizes: at least {2 * PAGE_LIMIT} pets")
-    return args
+    return options
 
 
 def main() -> int:
     """Run the benchmark; write and print the report."""
-    args = parse_args()
+    options = parse_args()
     signal.signal(signal.SIGTERM, interrupt)
     try:
-        if args.in_process_only:
-            return in_process_only(args)
-        if args.configs_only:
-            return configs_only(args)
-        return bench(args)
+        if options.in_process_only:
+            return in_process_only(options)
+        if options.configs_only:
+            return configs_only(options)
+        return bench(options)
     except KeyboardInterrupt:
         log("interrupted: stopped what the run had started")
         return 130
 
 
-def budget(args: argparse.Namespace, database_url: str, key: str) -> str:
-    """The in-process per-request budget table."""
-    log(
-        f"in-process budget: {args.in_process_rounds} rounds of "
-        f"{args.in_process_requests} direct WSGI calls per app"
-    )
-    redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
-    found, validation = measure_budget(
-        database_url, args.redis_url, key, args.in_process_requests, args.in_process_rounds
-    )
-    return budget_table(found, validation, args.in_process_requests, args.in_process_rounds)
-
-
-def in_process_only(args: argparse.Namespace) -> int:
+def in_process_only(options: Options) -> int:
     """Seed the smallest size and print the in-process budget table."""
-    with bench_database(args) as (_server_url, database_url, key, conn):
-        log(f"seeding {min(args.sizes):,} pets (COPY)")
-        seed(conn, min(args.sizes))
-        table = budget(args, database_url, key)
+    with options.scratch() as (_server_url, database_url, key, conn):
+        log(f"seeding {min(options.sizes):,} pets (COPY)")
+        seed(conn, min(options.sizes))
+        table = options.budget(database_url, key)
     print(f"\n{table}\n")
     log("done")
     return 0
 
 
-def configs_only(args: argparse.Namespace) -> int:
+def configs_only(options: Options) -> int:
     """Seed the smallest size, measure the serving configurations through nginx, report them."""
     for program in ("wrk", "nginx"):
         ensure_program(program)
-    run = Run(sizes=[min(args.sizes)])
-    with bench_database(args) as (_server_url, database_url, key, conn):
-        log(f"seeding {min(args.sizes):,} pets (COPY)")
-        table = seed(conn, min(args.sizes))
+    run = Run(sizes=options.run_sizes())
+    with options.scratch() as (_server_url, database_url, key, conn):
+        log(f"seeding {min(options.sizes):,} pets (COPY)")
+        table = seed(conn, min(options.sizes))
         run.pages[table.size] = table.page
-        serving_configs(args, conn, database_url, key, table, run)
-        facts = machine_facts(conn, args.database_url)
+        serving_configs(Setup(options, database_url, key, conn, run), table)
+        facts = machine_facts(conn, options.database_url)
     note_background_load(run)
-    write_report(args, run, facts)
+    write_report(options, run, facts)
     return 0
 
 
-def bench(args: argparse.Namespace) -> int:
+def bench(options: Options) -> int:
     """Set up, measure, write the report; stop what was started, however it ends."""
     for program in ("wrk", "nginx"):
         ensure_program(program)
     production = PRODUCTION
-    if args.baseline:
-        production += (dataclasses.replace(PRODUCTION[0], commit=args.baseline),)
-    if args.commit_wait:
+    if options.baseline:
+        production += (dataclasses.replace(PRODUCTION[0], commit=options.baseline),)
+    if options.commit_wait:
         production += (dataclasses.replace(PRODUCTION[0], without=("synchronous commit",)),)
-    run = Run(sizes=args.sizes[:1] if args.production_only else args.sizes)
+    run = Run(sizes=options.run_sizes())
     run.groups = [
         (
             f"production path: nginx, redis:// — {PRODUCTION[0].label} against the floors",
@@ -625,30 +527,31 @@ def bench(args: argparse.Namespace) -> int:
         ),
         (f"redis:// straight to gunicorn — {REDIS[0].label} against the floors", REDIS),
         (f"memory:// — {MEMORY[0].label} against the floors", MEMORY),
-    ][: 1 if args.production_only else None]
-    with bench_database(args) as (server_url, database_url, key, conn):
+    ][: 1 if options.production_only else None]
+    with options.scratch() as (server_url, database_url, key, conn):
+        setup = Setup(options, database_url, key, conn, run)
         for size in run.sizes:
             log(f"seeding {size:,} pets (COPY)")
             table = seed(conn, size)
             run.pages[size] = table.page
-            run.scenario_names = [s.name for s in scenarios(table, args.scenarios)]
-            first = size == min(args.sizes)
+            run.scenario_names = [s.name for s in scenarios(table, options.scenarios)]
+            first = size == min(options.sizes)
             for _title, servers in run.groups if first else run.groups[-1:]:
                 headline = servers == production or (first and servers == MEMORY)
-                rounds = args.rounds if headline else args.second_rounds
-                bench_group(args, conn, database_url, key, table, servers, rounds, run)
-            if first and not args.production_only:
-                where_the_distance_goes(args, conn, database_url, key, table, run)
-                if args.configs:
-                    serving_configs(args, conn, database_url, key, table, run)
-        if args.size_comparison:
-            table_sizes(args, conn, server_url, database_url, key, run)
-        if not args.production_only:
+                rounds = options.rounds if headline else options.second_rounds
+                bench_group(setup, table, servers, rounds)
+            if first and not options.production_only:
+                where_the_distance_goes(setup, table)
+                if options.configs:
+                    serving_configs(setup, table)
+        if options.size_comparison:
+            table_sizes(setup, server_url, options.size_comparison)
+        if not options.production_only:
             log(f"EXPLAIN (ANALYZE, BUFFERS) of the list queries at {table.size:,} pets")
             run.plans = explain_list_queries(conn, table)
-            seed(conn, min(args.sizes))
-            run.budget = budget(args, database_url, key)
-        facts = machine_facts(conn, args.database_url)
+            seed(conn, min(options.sizes))
+            run.budget = options.budget(database_url, key)
+        facts = machine_facts(conn, options.database_url)
     if not any("unlike the service" in note or "other bytes" in note for note in run.notes):
         run.notes.insert(
             0,
@@ -656,45 +559,34 @@ def bench(args: argparse.Namespace) -> int:
             "Link (and the status of a 404).",
         )
     note_background_load(run)
-    write_report(args, run, facts)
+    write_report(options, run, facts)
     return 0
 
 
-def write_report(args: argparse.Namespace, run: Run, facts: dict[str, str]) -> None:
+def write_report(options: Options, run: Run, facts: dict[str, str]) -> None:
     """The Markdown report and its plots, beside each other in --output."""
-    args.output.mkdir(parents=True, exist_ok=True)
+    options.output.mkdir(parents=True, exist_ok=True)
     stem = f"{time.strftime('%Y-%m-%d')}-{socket.gethostname()}"
     pictures = []
     if run.groups:
-        pictures = [plot_size(run, size, args.output / f"{stem}-{size}.png") for size in run.sizes]
-        pictures.insert(0, plot_summary(run, args.output / "summary.png"))
-    invocation = (
-        f".venv/bin/python -m bench.run --sizes {','.join(str(size) for size in run.sizes)} "
-        f"--duration {args.duration} --rounds {args.rounds} --second-rounds {args.second_rounds} "
-        f"--config-rounds {args.config_rounds} --warmup {args.warmup} "
-        f"--connections {args.connections} --threads {args.threads}"
-        + ("" if args.configs else " --no-configs")
-        + (f" --baseline {args.baseline}" if args.baseline else "")
-        + (" --commit-wait" if args.commit_wait else "")
-        + (f" --size-comparison {args.size_comparison}" if args.size_comparison else "")
-        + (" --production-only" if args.production_only else "")
-        + "".join(f" --scenario {shlex.quote(name)}" for name in args.scenarios or ())
-        + (" --configs-only" if args.configs_only else "    # make bench runs the defaults")
-    )
+        pictures = [
+            plot_size(run, size, options.output / f"{stem}-{size}.png") for size in run.sizes
+        ]
+        pictures.insert(0, plot_summary(run, options.output / "summary.png"))
     settings = {
-        "threads": str(args.threads),
-        "connections": str(args.connections),
-        "rounds": str(args.rounds),
-        "config_rounds": str(args.config_rounds),
-        "duration": str(args.duration),
-        "warmup": str(args.warmup),
+        "threads": str(options.threads),
+        "connections": str(options.connections),
+        "rounds": str(options.rounds),
+        "config_rounds": str(options.config_rounds),
+        "duration": str(options.duration),
+        "warmup": str(options.warmup),
         "invocation": (f"DATABASE_URL={facts['database']} " if facts["database"] else "")
-        + invocation,
+        + options.command_line(),
         "size_service": MEMORY[0].label,
         "size_floor": MEMORY[2].label,
     }
-    path = args.output / f"{stem}{'-configs' if args.configs_only else ''}.md"
-    previous = previous_report(args.output)
+    path = options.output / f"{stem}{'-configs' if options.configs_only else ''}.md"
+    previous = previous_report(options.output)
     report = render(run, facts, settings, time.monotonic() - STARTED, pictures, previous)
     path.write_text(report)
     print(f"\n{report}")

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.measure import ROOT, process_tree
+from bench.database import Table
+from bench.measure import ROOT, Target, process_tree
 from tests.support.nginx import DeployedGunicorn, Nginx
 from tests.support.servers import LOOPBACK
 
@@ -83,6 +84,43 @@ class Server:
         )
 
 
+# deploy/gunicorn.conf.py's default with a shared storage: sync workers, one per core + 1.
+SHARED_WORKERS = multiprocessing.cpu_count() + 1
+# The headline: the production path, redis:// and the default serving configuration, through
+# the shipped nginx site (one nginx per server).
+PRODUCTION = tuple(
+    Server(app, "redis", SHARED_WORKERS, threads=1, worker_class="sync", nginx=True)
+    for app in (SERVICE, FLASK_FLOOR, RAW_FLOOR)
+)
+# The same servers, wrk straight to gunicorn.
+REDIS = tuple(
+    Server(app, "redis", SHARED_WORKERS, threads=1, worker_class="sync")
+    for app in (SERVICE, FLASK_FLOOR, RAW_FLOOR)
+)
+# memory://'s default: one gthread worker × 4 threads.
+MEMORY = tuple(Server(app, "memory", 1) for app in (SERVICE, FLASK_FLOOR, RAW_FLOOR))
+# Where the distance between the service and the floors goes: parts of the service switched off.
+DISTANCE = (
+    Server(RAW_FLOOR, "memory", 1),
+    Server(FLASK_FLOOR, "memory", 1),
+    Server(SERVICE, "memory", 1, without=("limiter", "request log")),
+    Server(SERVICE, "memory", 1, without=("limiter",)),
+    Server(SERVICE, "memory", 1),
+)
+# Serving configurations for 2 cores with redis://, through nginx (issue 20, target 1): sync
+# workers (a new connection from nginx for every request) against gthread workers, which keep
+# nginx's upstream connections alive (GUNICORN_KEEPALIVE); gunicorn's other worker classes need
+# gevent, eventlet or tornado and a psycopg that cooperates with them.
+CONFIGS = (
+    Server(SERVICE, "redis", 3, threads=1, worker_class="sync", nginx=True),
+    Server(SERVICE, "redis", 5, threads=1, worker_class="sync", nginx=True),
+    Server(SERVICE, "redis", 3, threads=1, nginx=True),
+    Server(SERVICE, "redis", 5, threads=1, nginx=True),
+    Server(SERVICE, "redis", 3, threads=2, nginx=True),
+    Server(SERVICE, "redis", 2, threads=4, nginx=True),
+)
+
+
 class BenchGunicorn(DeployedGunicorn):
     """The harness's deployed gunicorn (deploy/gunicorn.conf.py), serving an app of our choice.
 
@@ -122,6 +160,16 @@ class Running:
     def worker_pids(self) -> list[int]:
         """gunicorn's workers."""
         return self.gunicorn.worker_pids()
+
+    def target(self, key: str, table: Table) -> Target:
+        """wrk's target: this server's port and processes, the key and the ids of `table`."""
+        env = {
+            **os.environ,
+            "BENCH_KEY": key,
+            "BENCH_MIN_ID": str(table.min_id),
+            "BENCH_MAX_ID": str(table.max_id),
+        }
+        return Target(self.port, self.app_pids, self.nginx_pids, env)
 
 
 def server_env(server: Server, database_url: str, redis_url: str) -> dict[str, str]:

@@ -43,7 +43,8 @@ from tests.support.haproxy import HAProxy
 from tests.support.load import HTTP_TIMEOUT, MixedLoad
 from tests.support.nginx import Deployment, deploy
 from tests.support.patroni import Cluster, PatroniNode
-from tests.support.servers import LOOPBACK, PgBouncer, Service, poll_until
+from tests.support.pgbouncer import PgBouncer
+from tests.support.servers import LOOPBACK, Service, poll_until
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONNECT_TIMEOUT = 2

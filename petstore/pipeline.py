@@ -12,7 +12,7 @@ the service's own around a view (ProxyFix, the error handlers and db's teardown 
 - require a scope (auth): 403 insufficient_scope when the key lacks the scope its view
   declares (auth.needs_scope), else its method's: read for GET and HEAD, write for any other.
   After counting, so the 403 spends budget.
-- view: parses with a schema, runs its queries (in the request's one transaction).
+- view: parses with a schema, runs its queries on the request's connection (autocommit).
 - headers (budgets): X-RateLimit-* on every counted /v1 answer, errors included.
 - log (logs): the request id header and one JSON line; metrics (metrics): the request tallied
   by operation and status, with its latency; usage (usage): a /v1 request counted for its key

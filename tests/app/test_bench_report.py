@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.measure import Measure, cpu_seconds, process_tree
-from bench.numbers import ratio
-from bench.profile import folded_stacks, top_frames
+from bench.numbers import ratio, rotation
 from bench.report import (
     Run,
     against_baseline,
@@ -23,8 +22,9 @@ from bench.report import (
     headline_ratios,
     render,
 )
-from bench.run import parse_args, rotation
+from bench.run import parse_args
 from bench.servers import FLASK_FLOOR, RAW_FLOOR, SERVICE, Server
+from bench.studies.profile import folded_stacks, top_frames
 from tests.support.servers import poll_until
 
 SCENARIO = "GET /v1/pets/{id}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, tzinfo
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -21,6 +21,7 @@ from petstore import config, db
 from petstore.cli import main
 from petstore.queries import usage as usage_sql
 from petstore.ratelimit.limiter import STORAGE_RECHECK_SECONDS
+from petstore.views import usage as usage_view
 from tests.support.checks import pass_key_cache_bound
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -336,12 +337,23 @@ def test_every_code_block_names_its_language() -> None:
     assert unnamed == []
 
 
+class OnTheDocsDay(datetime):
+    """datetime whose now() is in docs/usage.rst's "today", 26 November 2026 (UTC)."""
+
+    @classmethod
+    def now(cls, tz: tzinfo | None = None) -> datetime:
+        """18:00 UTC that day (the view asks for UTC)."""
+        return datetime(2026, 11, 26, 18, tzinfo=UTC)
+
+
 def test_the_usage_examples_are_what_the_service_answers(
-    client: FlaskClient, api_key: str, conn: db.Connection
+    client: FlaskClient, api_key: str, conn: db.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """docs/usage.rst's GET /v1/usage, replayed for make run's key (id 1) with the counts it shows."""
+    """docs/usage.rst's GET /v1/usage, replayed for make run's key (id 1) with the counts it shows,
+    on the day it shows: the day before's counts are left out of the default range, today."""
     text = (DOCS / "usage.rst").read_text(encoding="utf-8")
     part = text[text.index("\nUsage per key\n") : text.index("Counting costs a request")]
+    monkeypatch.setattr(usage_view, "datetime", OnTheDocsDay)
     hour = datetime(2026, 11, 25, 14, tzinfo=UTC)
     usage_sql.add_usage(
         conn,

@@ -302,7 +302,7 @@ def test_many_requests_of_one_caller_make_one_row_of_their_sum(
     make_app: Callable[..., Flask],
 ) -> None:
     """However many requests a worker counts between two batches, one row per key and hour
-    carries their sum (the counting's cost per request is bench/usage_cost.py's and make bench's
+    carries their sum (the counting's cost per request is bench/studies/usage_cost.py's and make bench's
     in-process budget's to measure, not a test's)."""
     from flask import Response, g
 

@@ -16,6 +16,7 @@ import pytest
 from psycopg import conninfo
 
 from tests.support.patroni import PG_BIN, as_account, give_to_account
+from tests.support.programs import install_command
 from tests.support.servers import LOOPBACK, ServerFailed, ServerProcess
 
 # Settings of both servers: loopback only, no Unix socket, small and quick.
@@ -83,8 +84,8 @@ def make_primary(workdir: Path) -> PostgresServer:
     skips the calling test when Debian's PostgreSQL 15 is not installed."""
     if not (PG_BIN / "pg_basebackup").exists():
         pytest.skip(
-            f"{PG_BIN} has no pg_basebackup: run `bash .ci/install-patroni` (it installs "
-            "postgresql-15; it uses sudo unless you are root)"
+            f"{PG_BIN} has no pg_basebackup (postgresql-15): install it as root with "
+            f"`{install_command('patroni')}`"
         )
     datadir = workdir / "primary"
     give_to_account(workdir)

@@ -27,8 +27,9 @@ from petstore import config, db, keys
 from tests.support import reports
 from tests.support.checks import Answer, call
 from tests.support.nginx import DeployedGunicorn, Nginx
+from tests.support.pgbouncer import PgBouncer
 from tests.support.redis_servers import RedisReplica, RedisSentinel, RedisServer
-from tests.support.servers import PgBouncer, Service, ThrowawayPostgres, poll_until, run_every
+from tests.support.servers import Service, ThrowawayPostgres, poll_until, run_every
 
 APP_DBNAME = "petstore"
 # The app's bounds, small so that a fault is noticed within about a second; all ordinary settings.

@@ -23,8 +23,9 @@ from tests.support.databases import empty_database
 from tests.support.hosts import HostGunicorn, Hosts, SharedRedis
 from tests.support.load import MixedLoad
 from tests.support.nginx import Nginx
+from tests.support.pgbouncer import PgBouncer
 from tests.support.programs import program
-from tests.support.servers import PgBouncer, poll_until
+from tests.support.servers import poll_until
 
 APPS = ("app1", "app2")
 LINKS = [("", "nginx"), ("", "app1"), ("", "app2"), ("nginx", "app1"), ("nginx", "app2")]

@@ -29,7 +29,8 @@ from tests.conftest import TEST_REDIS_URL
 from tests.support.checks import call
 from tests.support.databases import empty_database
 from tests.support.load import MixedLoad
-from tests.support.servers import ROOT, Gunicorn, PgBouncer, poll_until
+from tests.support.pgbouncer import PgBouncer
+from tests.support.servers import ROOT, Gunicorn, poll_until
 
 STATEMENT_TIMEOUT_MS = 1000
 POOL_TIMEOUT = 1.0

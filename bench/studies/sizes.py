@@ -1,6 +1,6 @@
 """PostgreSQL's CPU per read at two table sizes, in paired rounds: is a read's cost flat?
 
-    .venv/bin/python -m bench.sizes [--sizes 10000,1000000[,10000000]] [--rounds 5] [--calls 3000]
+    .venv/bin/python -m bench.studies.sizes [--sizes 10000,1000000[,10000000]] [--rounds 5] [--calls 3000]
 
 A scratch database per size, seeded (database.seed: COPY, then vacuum analyze), then churned as
 `make bench` churns its table (database.churn: `--churn` creates, their deletion, a plain VACUUM,
@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.database import Conn, Table, bench_database, churn, explain, seed
 from bench.measure import cpu_seconds, log
-from bench.run import rotation
+from bench.numbers import rotation
 from petstore.queries import pets
 
 
@@ -107,7 +107,7 @@ def backend_pid(conn: Conn) -> int:
 def parse_args() -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.sizes", description=(__doc__ or "").splitlines()[0]
+        prog="python -m bench.studies.sizes", description=(__doc__ or "").splitlines()[0]
     )
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL") or None)
     parser.add_argument("--scratch-database", default="petstore_bench_sizes")
@@ -139,10 +139,8 @@ def main() -> int:
         conns: dict[int, Conn] = {}
         tables: dict[int, Table] = {}
         for size in args.sizes:
-            scratch = argparse.Namespace(
-                database_url=args.database_url, scratch_database=f"{args.scratch_database}_{size}"
-            )
-            _server, _url, _key, conn = stack.enter_context(bench_database(scratch))
+            scratch = bench_database(args.database_url, f"{args.scratch_database}_{size}")
+            _server, _url, _key, conn = stack.enter_context(scratch)
             log(f"seeding {size:,} pets (COPY)")
             tables[size], conns[size] = seed(conn, size), conn
             if args.churn:

@@ -1,7 +1,7 @@
 """Profile one scenario on the production path: py-spy on the gunicorn workers under wrk through nginx.
 
-    .venv/bin/python -m bench.profile [--scenario "POST /v1/pets"] [--seconds 20] [--output FILE]
-    .venv/bin/python -m bench.profile --baseline 067a404     # the service as built at a commit
+    .venv/bin/python -m bench.studies.profile [--scenario "POST /v1/pets"] [--seconds 20] [--output FILE]
+    .venv/bin/python -m bench.studies.profile --baseline 067a404     # the service as built at a commit
 
 The service as `make bench` serves its headline (redis://, the default serving configuration,
 behind the shipped nginx site) on a scratch database of --size pets; wrk drives the scenario while
@@ -26,10 +26,9 @@ from pathlib import Path
 
 import redis
 
-from bench.database import bench_database, commit_wait, forget_new_pets, seed
-from bench.measure import ROOT, Measure, Target, ensure_program, log, run_wrk
-from bench.run import PRODUCTION, scenarios
-from bench.servers import start_servers
+from bench.database import bench_database, commit_wait, forget_new_pets, scenarios, seed
+from bench.measure import ROOT, Measure, ensure_program, log, run_wrk
+from bench.servers import PRODUCTION, start_servers
 
 TOP = 25
 # Frames every sample has (py-spy's process line, gunicorn's worker loop, runpy): left out of
@@ -40,7 +39,7 @@ AROUND = ("process ", "<module> (gunicorn", "Arbiter.", "_run_", "run (gunicorn"
 def parse_args() -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.profile", description=(__doc__ or "").splitlines()[0]
+        prog="python -m bench.studies.profile", description=(__doc__ or "").splitlines()[0]
     )
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL") or None)
     parser.add_argument("--scratch-database", default="petstore_bench_profile")
@@ -131,7 +130,8 @@ def main() -> int:
     redis.Redis.from_url(args.redis_url, socket_timeout=5).flushdb()
     folded = args.output.with_suffix(".folded")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    with bench_database(args) as (_server_url, database_url, key, conn):
+    scratch = bench_database(args.database_url, args.scratch_database)
+    with scratch as (_server_url, database_url, key, conn):
         log(f"seeding {args.size:,} pets (COPY)")
         table = seed(conn, args.size)
         chosen = next(s for s in scenarios(table) if s.name == args.scenario)
@@ -142,13 +142,7 @@ def main() -> int:
             running = start_servers(stack, (server,), database_url, args.redis_url, "profile")[
                 server
             ]
-            env = {
-                **os.environ,
-                "BENCH_KEY": key,
-                "BENCH_MIN_ID": str(table.min_id),
-                "BENCH_MAX_ID": str(table.max_id),
-            }
-            target = Target(running.port, running.app_pids, running.nginx_pids, env)
+            target = running.target(key, table)
             run_wrk(target, chosen, 3, args.connections, 1)  # warm-up
             forget_new_pets(conn, table)
             command = [

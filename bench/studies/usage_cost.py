@@ -1,4 +1,4 @@
-"""The cost of counting usage per request (petstore.usage), in-process: `python -m bench.usage_cost`.
+"""The cost of counting usage per request (petstore.usage), in-process: `python -m bench.studies.usage_cost`.
 
 Two numbers, CPU of this thread only (time.thread_time), best of interleaved rounds as timeit
 takes them: (1) the per-request call alone, usage.count_request in a request context; (2) a
