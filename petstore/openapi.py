@@ -2,7 +2,7 @@
 
 A views module's blueprint is a `Resource`: its tag, the schema and header components its
 operations use, and each operation, routed and described by one decorator,
-`@bp.operation(rule, method, operation_object)`. build_document collects them; this module
+`@bp.operation(rule, method, operation_id, describe)`. build_document collects them; this module
 imports no view.
 """
 
@@ -209,8 +209,9 @@ def common_responses() -> dict[str, str]:
     }
 
 
-# What the document says of one operation, from the app's settings: its Operation Object.
-OperationObject = Callable[[Mapping[str, Any]], dict[str, Any]]
+# What the document says of one operation, from the app's settings: its Operation Object but for
+# the operationId and the tags, which the decorator and the resource give.
+Describe = Callable[[Mapping[str, Any]], dict[str, Any]]
 # A view function, kept as it is by the decorator that routes it.
 View = TypeVar("View", bound=Callable[..., Any])
 
@@ -236,7 +237,8 @@ class Operation:
     path: str  # under /v1, as the document writes it: /pets/{petId}
     method: str  # lowercase, as the document's path item keys it
     endpoint: str  # the Flask endpoint of its view: pets.get_pet
-    operation_object: OperationObject
+    operation_id: str  # getPet
+    describe: Describe
 
 
 class Resource(Blueprint):
@@ -262,10 +264,10 @@ class Resource(Blueprint):
         self.operations: list[Operation] = []
 
     def operation(
-        self, rule: str, method: str, operation_object: OperationObject
+        self, rule: str, method: str, operation_id: str, describe: Describe
     ) -> Callable[[View], View]:
         """Route the decorated view at `rule` (under /v1) for `method`, and describe it in the
-        document by `operation_object`: the path is written here only."""
+        document as `operation_id` by `describe`: the path is written here only."""
 
         def register(view: View) -> View:
             self.add_url_rule(rule, view_func=view, methods=[method.upper()])
@@ -274,7 +276,8 @@ class Resource(Blueprint):
                     document_path(rule),
                     method.lower(),
                     f"{self.name}.{view.__name__}",
-                    operation_object,
+                    operation_id,
+                    describe,
                 )
             )
             return view
@@ -298,21 +301,20 @@ def add_paths(spec: APISpec, config: Mapping[str, Any], resources: Iterable[Reso
     paths: dict[str, dict[str, Any]] = {}
     for resource in resources:
         for operation in resource.operations:
-            found = operation.operation_object(config)
             # The resource's tag, in the place the Operation Object's fields usually take.
             paths.setdefault(operation.path, {})[operation.method] = {
-                "operationId": found.pop("operationId"),
+                "operationId": operation.operation_id,
                 "tags": [resource.tag["name"]],
-                **found,
+                **operation.describe(config),
             }
     for path, operations in paths.items():
         spec.path(path, operations=operations)
 
 
-def operation_ids(config: Mapping[str, Any], resources: Iterable[Resource]) -> dict[str, str]:
+def operation_ids(resources: Iterable[Resource]) -> dict[str, str]:
     """Flask endpoint -> operationId of each of the resources' operations."""
     return {
-        operation.endpoint: operation.operation_object(config)["operationId"]
+        operation.endpoint: operation.operation_id
         for resource in resources
         for operation in resource.operations
     }

@@ -97,7 +97,6 @@ def deprecated_error(status: int, description: str) -> dict[str, Any]:
 def list_pets_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     """listPets' Operation Object."""
     return {
-        "operationId": "listPets",
         "summary": "List pets",
         "description": "Pets by id ascending, at most `limit` of them, optionally only "
         'those of one `status`. A full page carries `Link: <...>; rel="next"` to the '
@@ -115,7 +114,7 @@ def list_pets_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-@bp.operation("/pets", "get", list_pets_operation)
+@bp.operation("/pets", "get", "listPets", list_pets_operation)
 def list_pets() -> Response:
     """listPets: one page by id ascending; a Link rel=next when the page is full."""
     query = validate_query(schemas.list_pets_query)
@@ -139,7 +138,6 @@ def list_pets() -> Response:
 def create_pet_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     """createPet's Operation Object."""
     return {
-        "operationId": "createPet",
         "summary": "Add a pet",
         "description": "Stores a NewPet and answers the Pet with its new `id`. A `status` "
         "left out stays unstated (it is not defaulted).",
@@ -209,7 +207,7 @@ def idempotency_key_parameter() -> dict[str, Any]:
     }
 
 
-@bp.operation("/pets", "post", create_pet_operation)
+@bp.operation("/pets", "post", "createPet", create_pet_operation)
 @needs_scope("write")
 def create_pet() -> Response:
     """createPet: store a NewPet, answer 201 with the Pet and its Location; Idempotency-Key aware."""
@@ -240,7 +238,6 @@ def get_pet_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     sunset = http_date(config["SUNSET"])
     sunset_day = time.strftime("%Y-%m-%d", time.gmtime(config["SUNSET"]))
     return {
-        "operationId": "getPet",
         "summary": "Get a pet (deprecated)",
         "description": f"Deprecated: removed at its sunset, {sunset}; from then on it "
         "answers 410. Use `GET /pets` with the `status` filter instead. Every answer "
@@ -281,7 +278,7 @@ def deprecation_fields(deprecated_at: int, sunset: int) -> tuple[tuple[str, str]
     )
 
 
-@bp.operation("/pets/<pet_id>", "get", get_pet_operation)
+@bp.operation("/pets/<pet_id>", "get", "getPet", get_pet_operation)
 def get_pet(pet_id: str) -> Response:
     """getPet (deprecated): one pet, with Deprecation, Sunset and a Link to its successor."""
     config = current_app.config

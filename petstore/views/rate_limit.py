@@ -25,7 +25,6 @@ bp = Resource(
 def get_rate_limit_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     """getRateLimit's Operation Object."""
     return {
-        "operationId": "getRateLimit",
         "summary": "The caller's own rate limits, ban and strikes",
         "description": "Spends no budget and counts no strike, and answers 200 also "
         "while the key is throttled or banned, so a client can learn when to come back. "
@@ -43,7 +42,7 @@ def get_rate_limit_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-@bp.operation("/rate_limit", "get", get_rate_limit_operation)
+@bp.operation("/rate_limit", "get", "getRateLimit", get_rate_limit_operation)
 @uncounted
 def get_rate_limit() -> Response:
     """getRateLimit: plan, limits, ban and strikes of the key; 200 also while throttled or banned."""

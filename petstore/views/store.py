@@ -21,7 +21,6 @@ bp = Resource(
 def list_orders_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     """listOrders' Operation Object: why it answers 501."""
     return {
-        "operationId": "listOrders",
         "summary": "List store orders (not implemented)",
         "description": "The specification names this operation but shows none of its "
         "parameters or payloads, nor the fields of an order. Rather than invent them, "
@@ -35,7 +34,7 @@ def list_orders_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-@bp.operation("/store/orders", "get", list_orders_operation)
+@bp.operation("/store/orders", "get", "listOrders", list_orders_operation)
 def list_orders() -> Response:
     """The spec names this operation but shows no parameters or payloads: 501."""
     raise APIError(

@@ -37,7 +37,6 @@ LONGEST = {"day": 90, "hour": 7}
 def get_usage_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     """getUsage's Operation Object."""
     return {
-        "operationId": "getUsage",
         "summary": "The calling key's own requests per UTC day or hour, by outcome",
         "description": "Counts of the calling key only, never another key's; the `read` scope "
         "is enough. `from` and `to` are UTC dates, both included, today by default; at most "
@@ -93,7 +92,7 @@ def bucket(row: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-@bp.operation("/usage", "get", get_usage_operation)
+@bp.operation("/usage", "get", "getUsage", get_usage_operation)
 def get_usage() -> Response:
     """getUsage: the caller's requests per day or hour between two UTC dates."""
     query = validate_query(schemas.usage_query)
