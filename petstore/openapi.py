@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -19,7 +20,8 @@ from apispec.ext.marshmallow import MarshmallowPlugin
 from flask import Blueprint
 from marshmallow import Schema
 
-from petstore import errors, plans, schemas
+from petstore import plans, schemas
+from petstore.errors import codes_of
 
 # 3.0, not 3.1: in 3.1 (JSON Schema 2020-12) `1.0` is an integer, but this service refuses it
 # for categoryId (a JSON integer literal is required); 3.0's Schema Object says the same as we do.
@@ -71,21 +73,160 @@ def description() -> str:
     return DESCRIPTION.format(plans=numbers)
 
 
-def error_response_object(
-    status: int, description: str, headers: tuple[str, ...] = ()
-) -> dict[str, Any]:
-    """A response object with the Error body, the rate-limit headers and `headers` (component ids)."""
-    codes = ", ".join(f"`{code}`" for code in errors.codes_of(status))
+# A response's headers: names that are their components' ids ("Location",), or header name ->
+# component id where they differ ({"Link": "NextPage"}).
+Headers = Iterable[str] | Mapping[str, str]
+
+# The responses operations share, by status: their component id, description and headers. Every
+# operation gives 401, 429, 500 and 503 (whoever calls, whatever is asked); 400 where it lists it.
+SHARED_RESPONSES: dict[int, tuple[str, str, tuple[str, ...]]] = {
+    400: (
+        "BadRequest",
+        "The request is invalid; `errors` names each bad field, when fields are to blame.",
+        (),
+    ),
+    401: (
+        "Unauthorized",
+        "The API key is missing, malformed, unknown, revoked or expired.",
+        ("WWW-Authenticate",),
+    ),
+    429: (
+        "TooManyRequests",
+        "The rate limit is spent (`rate_limited`), or the key is banned for calling on "
+        "after 429s (`api_key_banned`). `Retry-After` says when to try again.",
+        ("Retry-After",),
+    ),
+    500: ("InternalError", "The service failed; no detail is given.", ()),
+    503: (
+        "ServiceUnavailable",
+        "The database is unavailable or too slow; retry after `Retry-After`.",
+        ("Retry-After",),
+    ),
+}
+EVERY_OPERATION = (401, 429, 500, 503)
+
+# One error response of an operation: a status with a shared response (400), or one of its own,
+# (status, description) or (status, description, headers).
+Refusal = int | tuple[int, str] | tuple[int, str, Headers]
+
+
+def header_ids(headers: Headers) -> dict[str, str]:
+    """Header name -> component id, with the rate-limit headers every response carries first."""
+    named = headers if isinstance(headers, Mapping) else {name: name for name in headers}
+    return {**{name: name for name in RATE_LIMIT_HEADERS}, **named}
+
+
+def error_response_object(status: int, description: str, headers: Headers = ()) -> dict[str, Any]:
+    """A Response Object with the Error body, its codes from errors.ERRORS, and `headers`."""
+    codes = ", ".join(f"`{code}`" for code in codes_of(status))
     return {
         "description": f"{description} Code: {codes}.",
-        "headers": {**rate_limit_headers(), **{name: name for name in headers}},
+        "headers": header_ids(headers),
         "content": {JSON: {"schema": "Error"}},
     }
 
 
-def rate_limit_headers() -> dict[str, str]:
-    """The X-RateLimit-* headers every response carries, as references to their components."""
-    return {name: name for name in RATE_LIMIT_HEADERS}
+def ok(
+    status: int,
+    schema: str,
+    description: str,
+    *,
+    many: bool = False,
+    headers: Headers = (),
+    links: dict[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """An operation's success response, for its `responses`: a body of the `schema` component
+    (an array of them when `many`), with the rate-limit headers and `headers`."""
+    response: dict[str, Any] = {
+        "description": description,
+        "headers": header_ids(headers),
+        "content": {JSON: {"schema": {"type": "array", "items": schema} if many else schema}},
+    }
+    if links:
+        response["links"] = links
+    return {str(status): response}
+
+
+def errors(*refusals: Refusal, headers: Headers = ()) -> dict[str, Any]:
+    """An operation's error responses, for its `responses`: each of `refusals` (its own ones with
+    `headers` too), then the shared ones every operation gives."""
+    found: dict[str, Any] = {}
+    for refusal in (*refusals, *EVERY_OPERATION):
+        if isinstance(refusal, int):
+            found[str(refusal)] = SHARED_RESPONSES[refusal][0]
+            continue
+        status, description, *own = refusal
+        found[str(status)] = error_response_object(
+            status, description, {**header_ids(own[0] if own else ()), **header_ids(headers)}
+        )
+    return found
+
+
+def lacks_scope(scope: str) -> Refusal:
+    """The 403 of an operation that needs `scope`, to a key without it, for errors()."""
+    other = {"read": "write", "write": "read"}[scope]
+    return (
+        403,
+        f"The API key lacks the `{scope}` scope (a {other}-only key); "
+        f'`WWW-Authenticate` says `error="insufficient_scope", scope="{scope}"`.',
+        ("WWW-Authenticate",),
+    )
+
+
+def json_body(schema: str, description: str) -> dict[str, Any]:
+    """A required JSON request body of the `schema` component."""
+    return {"required": True, "description": description, "content": {JSON: {"schema": schema}}}
+
+
+def header(description: str, schema: dict[str, Any], *, required: bool = True) -> dict[str, Any]:
+    """A header component."""
+    return {"description": description, "required": required, "schema": schema}
+
+
+def operation_object(
+    summary: str,
+    description: str,
+    *responses: Mapping[str, Any],
+    parameters: list[dict[str, Any]] | None = None,
+    request_body: dict[str, Any] | None = None,
+    sunset: int | None = None,
+) -> dict[str, Any]:
+    """An Operation Object but for its operationId and tags, its `responses` those of ok() and
+    errors(); deprecated, with its x-sunset day, when it has a `sunset` (unix seconds)."""
+    found: dict[str, Any] = {"summary": summary, "description": description}
+    if sunset is not None:
+        found.update(
+            deprecated=True, **{"x-sunset": time.strftime("%Y-%m-%d", time.gmtime(sunset))}
+        )
+    if parameters:
+        found["parameters"] = parameters
+    if request_body:
+        found["requestBody"] = request_body
+    found["responses"] = {status: each for group in responses for status, each in group.items()}
+    return found
+
+
+def idempotency_key(created: str) -> dict[str, Any]:
+    """The optional Idempotency-Key header parameter of a POST that creates a `created` (Stripe's
+    semantics, petstore.idempotency)."""
+    return {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": False,
+        "description": "Makes a retried POST safe: the first response for a key (and API key) is "
+        "stored for 24 hours and replayed, with `Idempotent-Replayed: true`, to every repeat with "
+        f"the same body, instead of creating a second {created}. A repeat sent while the first "
+        "request is still running waits for it and gets the replay. The same key with a "
+        "different body answers 409 `idempotency_key_reused`. 1 to 255 printable ASCII "
+        "characters (a UUID fits); a malformed key answers 400.",
+        "schema": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 255,
+            "pattern": "^[\\x21-\\x7e]([\\x20-\\x7e]*[\\x21-\\x7e])?$",
+            "example": "5f0c8a52-4a3b-4d39-9d2b-1c1f0e6b7a10",
+        },
+    }
 
 
 def add_components(spec: APISpec) -> None:
@@ -100,113 +241,43 @@ def add_components(spec: APISpec) -> None:
             "description": "The API key, as `Authorization: Bearer <key>`.",
         },
     )
-    integer_header = {"type": "integer", "minimum": 0}
-    spec.components.header(
-        "X-RateLimit-Limit",
-        {
-            "description": "The number of requests of the limit in force (per minute or per day).",
-            "required": True,
-            "schema": integer_header,
-        },
-    )
-    spec.components.header(
-        "X-RateLimit-Remaining",
-        {
-            "description": "Requests left in the current window of that limit.",
-            "required": True,
-            "schema": integer_header,
-        },
-    )
-    spec.components.header(
-        "X-RateLimit-Reset",
-        {
-            "description": "When the window of that limit ends: unix time, in seconds.",
-            "required": True,
-            "schema": integer_header,
-        },
-    )
-    spec.components.header(
-        "RateLimit-Policy",
-        {
-            "description": "The key's quota policies (draft-ietf-httpapi-ratelimit-headers-10, "
+    count = {"type": "integer", "minimum": 0}
+    text = {"type": "string"}
+    for component_id, header_object in {
+        "X-RateLimit-Limit": header(
+            "The number of requests of the limit in force (per minute or per day).", count
+        ),
+        "X-RateLimit-Remaining": header(
+            "Requests left in the current window of that limit.", count
+        ),
+        "X-RateLimit-Reset": header(
+            "When the window of that limit ends: unix time, in seconds.", count
+        ),
+        "RateLimit-Policy": header(
+            "The key's quota policies (draft-ietf-httpapi-ratelimit-headers-10, "
             "a structured-field List): one item per limit, its quota `q` and window `w` in "
             'seconds, e.g. `"minute";q=60;w=60, "day";q=1000;w=86400`.',
-            "required": True,
-            "schema": {"type": "string"},
-        },
-    )
-    spec.components.header(
-        "RateLimit",
-        {
-            "description": "The limit in force, as in X-RateLimit-* (the same draft): its "
+            text,
+        ),
+        "RateLimit": header(
+            "The limit in force, as in X-RateLimit-* (the same draft): its "
             "policy name, remaining requests `r` and seconds `t` until its window ends, "
             'e.g. `"minute";r=42;t=17`.',
-            "required": True,
-            "schema": {"type": "string"},
-        },
-    )
-    spec.components.header(
-        "Retry-After",
-        {
-            "description": "Seconds to wait before trying again.",
-            "required": True,
-            "schema": {"type": "integer", "minimum": 1},
-        },
-    )
-    spec.components.header(
-        "WWW-Authenticate",
-        {
-            "description": 'The challenge: `Bearer realm="petstore"`, plus `error="invalid_token"` '
+            text,
+        ),
+        "Retry-After": header(
+            "Seconds to wait before trying again.", {"type": "integer", "minimum": 1}
+        ),
+        "WWW-Authenticate": header(
+            'The challenge: `Bearer realm="petstore"`, plus `error="invalid_token"` '
             'when a token was sent, or `error="insufficient_scope"` and the `scope` needed '
             "(RFC 6750).",
-            "required": True,
-            "schema": {"type": "string"},
-        },
-    )
-    spec.components.response(
-        "BadRequest",
-        error_response_object(
-            400, "The request is invalid; `errors` names each bad field, when fields are to blame."
+            text,
         ),
-    )
-    spec.components.response(
-        "Unauthorized",
-        error_response_object(
-            401,
-            "The API key is missing, malformed, unknown, revoked or expired.",
-            ("WWW-Authenticate",),
-        ),
-    )
-    spec.components.response(
-        "TooManyRequests",
-        error_response_object(
-            429,
-            "The rate limit is spent (`rate_limited`), or the key is banned for calling on "
-            "after 429s (`api_key_banned`). `Retry-After` says when to try again.",
-            ("Retry-After",),
-        ),
-    )
-    spec.components.response(
-        "InternalError", error_response_object(500, "The service failed; no detail is given.")
-    )
-    spec.components.response(
-        "ServiceUnavailable",
-        error_response_object(
-            503,
-            "The database is unavailable or too slow; retry after `Retry-After`.",
-            ("Retry-After",),
-        ),
-    )
-
-
-def common_responses() -> dict[str, str]:
-    """Responses every operation may give, whoever calls and whatever is asked."""
-    return {
-        "401": "Unauthorized",
-        "429": "TooManyRequests",
-        "500": "InternalError",
-        "503": "ServiceUnavailable",
-    }
+    }.items():
+        spec.components.header(component_id, header_object)
+    for status, (component_id, description, headers) in SHARED_RESPONSES.items():
+        spec.components.response(component_id, error_response_object(status, description, headers))
 
 
 # What the document says of one operation, from the app's settings: its Operation Object but for

@@ -16,11 +16,14 @@ from petstore.db import Connection, get_conn
 from petstore.durable import durable_write
 from petstore.errors import APIError
 from petstore.openapi import (
-    JSON,
     Resource,
-    common_responses,
-    error_response_object,
-    rate_limit_headers,
+    errors,
+    header,
+    idempotency_key,
+    json_body,
+    lacks_scope,
+    ok,
+    operation_object,
 )
 from petstore.queries import pets as pet_sql
 from petstore.standbys import read_on_standby_if_any
@@ -30,43 +33,33 @@ from petstore.web import API_PREFIX, body_as_json, json_response, validate, vali
 def header_components(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The headers of the pets' responses, by component id: Location, the replay flag, the next
     page, and getPet's deprecation."""
+    text = {"type": "string"}
     return {
-        "Location": {
-            "description": "The path of the new pet.",
-            "required": True,
-            "schema": {"type": "string", "example": "/v1/pets/1"},
-        },
-        "Idempotent-Replayed": {
-            "description": "`true` when this is the stored first response to an earlier request "
+        "Location": header("The path of the new pet.", {**text, "example": "/v1/pets/1"}),
+        "Idempotent-Replayed": header(
+            "`true` when this is the stored first response to an earlier request "
             "with the same `Idempotency-Key`, replayed.",
-            "required": False,
-            "schema": {"type": "string", "enum": ["true"]},
-        },
-        "NextPage": {
-            "description": 'The next page, on full pages only: `<url>; rel="next"` (RFC 8288); its '
+            {**text, "enum": ["true"]},
+            required=False,
+        ),
+        "NextPage": header(
+            'The next page, on full pages only: `<url>; rel="next"` (RFC 8288); its '
             "`after` parameter is the id of the last pet of this page.",
-            "required": False,
-            "schema": {"type": "string", "example": '</v1/pets?limit=20&after=20>; rel="next"'},
-        },
-        "Deprecation": {
-            "description": "When this operation became deprecated (RFC 9745): `@` and unix seconds.",
-            "required": True,
-            "schema": {
-                "type": "string",
-                "pattern": "^@-?[0-9]+$",
-                "example": f"@{config['DEPRECATED_AT']}",
-            },
-        },
-        "Sunset": {
-            "description": "When this operation goes away (RFC 8594), as an HTTP date.",
-            "required": True,
-            "schema": {"type": "string", "example": http_date(config["SUNSET"])},
-        },
-        "SuccessorLink": {
-            "description": "The replacement: `GET /v1/pets` (with the `status` filter).",
-            "required": True,
-            "schema": {"type": "string", "example": '</v1/pets>; rel="successor-version"'},
-        },
+            {**text, "example": '</v1/pets?limit=20&after=20>; rel="next"'},
+            required=False,
+        ),
+        "Deprecation": header(
+            "When this operation became deprecated (RFC 9745): `@` and unix seconds.",
+            {**text, "pattern": "^@-?[0-9]+$", "example": f"@{config['DEPRECATED_AT']}"},
+        ),
+        "Sunset": header(
+            "When this operation goes away (RFC 8594), as an HTTP date.",
+            {**text, "example": http_date(config["SUNSET"])},
+        ),
+        "SuccessorLink": header(
+            "The replacement: `GET /v1/pets` (with the `status` filter).",
+            {**text, "example": '</v1/pets>; rel="successor-version"'},
+        ),
     }
 
 
@@ -80,38 +73,21 @@ bp = Resource(
 )
 
 PET_ID = schemas.DIGITS
-
-
-def deprecation_headers() -> dict[str, str]:
-    """getPet's Deprecation, Sunset and successor Link headers (the response header name -> component id)."""
-    return {"Deprecation": "Deprecation", "Sunset": "Sunset", "Link": "SuccessorLink"}
-
-
-def deprecated_error(status: int, description: str) -> dict[str, Any]:
-    """An Error response of getPet itself, with its deprecation headers."""
-    response = error_response_object(status, description)
-    response["headers"].update(deprecation_headers())
-    return response
+# getPet's Deprecation, Sunset and successor Link headers: the header name -> component id.
+DEPRECATION = {"Deprecation": "Deprecation", "Sunset": "Sunset", "Link": "SuccessorLink"}
 
 
 def list_pets_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     """listPets' Operation Object."""
-    return {
-        "summary": "List pets",
-        "description": "Pets by id ascending, at most `limit` of them, optionally only "
-        'those of one `status`. A full page carries `Link: <...>; rel="next"` to the '
-        "next one (a keyset cursor, `after`). Unknown query parameters are refused (400).",
-        "parameters": [{"in": "query", "schema": schemas.ListPetsQuery}],
-        "responses": {
-            "200": {
-                "description": "A page of pets.",
-                "headers": {**rate_limit_headers(), "Link": "NextPage"},
-                "content": {JSON: {"schema": {"type": "array", "items": "Pet"}}},
-            },
-            "400": "BadRequest",
-            **common_responses(),
-        },
-    }
+    return operation_object(
+        "List pets",
+        "Pets by id ascending, at most `limit` of them, optionally only those of one `status`. "
+        'A full page carries `Link: <...>; rel="next"` to the next one (a keyset cursor, '
+        "`after`). Unknown query parameters are refused (400).",
+        ok(200, "Pet", "A page of pets.", many=True, headers={"Link": "NextPage"}),
+        errors(400),
+        parameters=[{"in": "query", "schema": schemas.ListPetsQuery}],
+    )
 
 
 @bp.operation("/pets", "get", "listPets", list_pets_operation)
@@ -137,74 +113,31 @@ def list_pets() -> Response:
 
 def create_pet_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     """createPet's Operation Object."""
-    return {
-        "summary": "Add a pet",
-        "description": "Stores a NewPet and answers the Pet with its new `id`. A `status` "
-        "left out stays unstated (it is not defaulted).",
-        "parameters": [idempotency_key_parameter()],
-        "requestBody": {
-            "required": True,
-            "description": "The new pet; `id` and any other unknown field are refused.",
-            "content": {JSON: {"schema": "NewPet"}},
-        },
-        "responses": {
-            "201": {
-                "description": "Created; `Location` is the new pet's path. A repeat with "
-                "the same `Idempotency-Key` replays this first response.",
-                "headers": {
-                    **rate_limit_headers(),
-                    "Location": "Location",
-                    "Idempotent-Replayed": "Idempotent-Replayed",
-                },
-                "content": {JSON: {"schema": "Pet"}},
-                "links": {
-                    "GetPetById": {
-                        "operationId": "getPet",
-                        "parameters": {"petId": "$response.body#/id"},
-                        "description": "The new pet, by its `id`.",
-                    }
-                },
-            },
-            "400": "BadRequest",
-            "403": error_response_object(
-                403,
-                "The API key lacks the `write` scope (a read-only key); "
-                '`WWW-Authenticate` says `error="insufficient_scope", scope="write"`.',
-                ("WWW-Authenticate",),
-            ),
-            "409": error_response_object(
-                409, "The `Idempotency-Key` was used before with a different body."
-            ),
-            "413": error_response_object(
-                413,
-                f"The body is longer than {config['MAX_CONTENT_LENGTH']} bytes.",
-            ),
-            "415": error_response_object(415, "The body is not `application/json`."),
-            **common_responses(),
-        },
-    }
-
-
-def idempotency_key_parameter() -> dict[str, Any]:
-    """The optional Idempotency-Key header of createPet (Stripe's semantics)."""
-    return {
-        "name": "Idempotency-Key",
-        "in": "header",
-        "required": False,
-        "description": "Makes a retried POST safe: the first response for a key (and API key) is "
-        "stored for 24 hours and replayed, with `Idempotent-Replayed: true`, to every repeat with "
-        "the same body, instead of creating a second pet. A repeat sent while the first request "
-        "is still running waits for it and gets the replay. The same key with a different body "
-        "answers 409 `idempotency_key_reused`. 1 to 255 printable ASCII characters (a UUID "
-        "fits); a malformed key answers 400.",
-        "schema": {
-            "type": "string",
-            "minLength": 1,
-            "maxLength": 255,
-            "pattern": "^[\\x21-\\x7e]([\\x20-\\x7e]*[\\x21-\\x7e])?$",
-            "example": "5f0c8a52-4a3b-4d39-9d2b-1c1f0e6b7a10",
-        },
-    }
+    new_pet = {"operationId": "getPet", "parameters": {"petId": "$response.body#/id"}}
+    return operation_object(
+        "Add a pet",
+        "Stores a NewPet and answers the Pet with its new `id`. A `status` left out stays "
+        "unstated (it is not defaulted).",
+        ok(
+            201,
+            "Pet",
+            "Created; `Location` is the new pet's path. A repeat with the same "
+            "`Idempotency-Key` replays this first response.",
+            headers=("Location", "Idempotent-Replayed"),
+            links={"GetPetById": {**new_pet, "description": "The new pet, by its `id`."}},
+        ),
+        errors(
+            400,
+            lacks_scope("write"),
+            (409, "The `Idempotency-Key` was used before with a different body."),
+            (413, f"The body is longer than {config['MAX_CONTENT_LENGTH']} bytes."),
+            (415, "The body is not `application/json`."),
+        ),
+        parameters=[idempotency_key("pet")],
+        request_body=json_body(
+            "NewPet", "The new pet; `id` and any other unknown field are refused."
+        ),
+    )
 
 
 @bp.operation("/pets", "post", "createPet", create_pet_operation)
@@ -236,35 +169,30 @@ def create_pet() -> Response:
 def get_pet_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     """getPet's Operation Object: deprecated, with its sunset from the settings."""
     sunset = http_date(config["SUNSET"])
-    sunset_day = time.strftime("%Y-%m-%d", time.gmtime(config["SUNSET"]))
-    return {
-        "summary": "Get a pet (deprecated)",
-        "description": f"Deprecated: removed at its sunset, {sunset}; from then on it "
-        "answers 410. Use `GET /pets` with the `status` filter instead. Every answer "
-        "of the operation itself carries `Deprecation`, `Sunset` and a `Link` to it.",
-        "deprecated": True,
-        "x-sunset": sunset_day,
-        "parameters": [
+    pet_id = {"type": "integer", "format": "int64"}
+    return operation_object(
+        "Get a pet (deprecated)",
+        f"Deprecated: removed at its sunset, {sunset}; from then on it answers 410. Use "
+        "`GET /pets` with the `status` filter instead. Every answer of the operation itself "
+        "carries `Deprecation`, `Sunset` and a `Link` to it.",
+        ok(200, "Pet", "The pet.", headers=DEPRECATION),
+        errors(
+            (404, "No pet has this id."),
+            (410, f"The operation was removed at its sunset ({sunset})."),
+            headers=DEPRECATION,
+        ),
+        parameters=[
             {
                 "name": "petId",
                 "in": "path",
                 "required": True,
                 "description": "Identifier of the pet. One that is not an int64 is a pet "
                 "that does not exist (404).",
-                "schema": {"type": "integer", "format": "int64"},
+                "schema": pet_id,
             }
         ],
-        "responses": {
-            "200": {
-                "description": "The pet.",
-                "headers": {**rate_limit_headers(), **deprecation_headers()},
-                "content": {JSON: {"schema": "Pet"}},
-            },
-            "404": deprecated_error(404, "No pet has this id."),
-            "410": deprecated_error(410, f"The operation was removed at its sunset ({sunset})."),
-            **common_responses(),
-        },
-    }
+        sunset=config["SUNSET"],
+    )
 
 
 @functools.lru_cache(maxsize=8)

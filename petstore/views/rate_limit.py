@@ -9,7 +9,7 @@ from flask import Response
 
 from petstore import schemas
 from petstore.auth import current_caller, uncounted
-from petstore.openapi import JSON, Resource, common_responses, rate_limit_headers
+from petstore.openapi import Resource, errors, ok, operation_object
 from petstore.ratelimit import budgets
 from petstore.web import json_response
 
@@ -24,22 +24,18 @@ bp = Resource(
 
 def get_rate_limit_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     """getRateLimit's Operation Object."""
-    return {
-        "summary": "The caller's own rate limits, ban and strikes",
-        "description": "Spends no budget and counts no strike, and answers 200 also "
-        "while the key is throttled or banned, so a client can learn when to come back. "
-        "Without a valid key it is a 401 like any other operation, counted against the "
-        "client's address.",
-        "responses": {
-            "200": {
-                "description": "The key's standing; X-RateLimit-* show the limit nearest "
-                "to running out.",
-                "headers": rate_limit_headers(),
-                "content": {JSON: {"schema": "RateLimit"}},
-            },
-            **common_responses(),
-        },
-    }
+    return operation_object(
+        "The caller's own rate limits, ban and strikes",
+        "Spends no budget and counts no strike, and answers 200 also while the key is "
+        "throttled or banned, so a client can learn when to come back. Without a valid key it "
+        "is a 401 like any other operation, counted against the client's address.",
+        ok(
+            200,
+            "RateLimit",
+            "The key's standing; X-RateLimit-* show the limit nearest to running out.",
+        ),
+        errors(),
+    )
 
 
 @bp.operation("/rate_limit", "get", "getRateLimit", get_rate_limit_operation)

@@ -8,7 +8,7 @@ from typing import Any
 from flask import Response
 
 from petstore.errors import APIError
-from petstore.openapi import Resource, common_responses, error_response_object
+from petstore.openapi import Resource, errors, operation_object
 
 bp = Resource(
     "store",
@@ -20,18 +20,13 @@ bp = Resource(
 
 def list_orders_operation(config: Mapping[str, Any]) -> dict[str, Any]:
     """listOrders' Operation Object: why it answers 501."""
-    return {
-        "summary": "List store orders (not implemented)",
-        "description": "The specification names this operation but shows none of its "
-        "parameters or payloads, nor the fields of an order. Rather than invent them, "
-        "the service answers 501 to every authorized call.",
-        "responses": {
-            "501": error_response_object(
-                501, "Store orders are not specified, so they are not implemented."
-            ),
-            **common_responses(),
-        },
-    }
+    return operation_object(
+        "List store orders (not implemented)",
+        "The specification names this operation but shows none of its parameters or "
+        "payloads, nor the fields of an order. Rather than invent them, the service answers "
+        "501 to every authorized call.",
+        errors((501, "Store orders are not specified, so they are not implemented.")),
+    )
 
 
 @bp.operation("/store/orders", "get", "listOrders", list_orders_operation)
