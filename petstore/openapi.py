@@ -19,6 +19,7 @@ from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin
 from flask import Blueprint
 from marshmallow import Schema
+from werkzeug.http import http_date
 
 from petstore import plans, schemas
 from petstore.errors import codes_of
@@ -29,6 +30,11 @@ OPENAPI_VERSION = "3.0.3"
 API_VERSION = "1.0.0"
 SECURITY_SCHEME = "bearerAuth"
 JSON = "application/json"
+
+# The app's settings, which some descriptions quote, and an object of the document (an Operation,
+# Response or Header Object...) as JSON.
+Settings = Mapping[str, Any]
+Object = dict[str, Any]
 
 RATE_LIMIT_HEADERS = (
     "X-RateLimit-Limit",
@@ -116,7 +122,7 @@ def header_ids(headers: Headers) -> dict[str, str]:
     return {**{name: name for name in RATE_LIMIT_HEADERS}, **named}
 
 
-def error_response_object(status: int, description: str, headers: Headers = ()) -> dict[str, Any]:
+def error_response_object(status: int, description: str, headers: Headers = ()) -> Object:
     """A Response Object with the Error body, its codes from errors.ERRORS, and `headers`."""
     codes = ", ".join(f"`{code}`" for code in codes_of(status))
     return {
@@ -133,11 +139,11 @@ def ok(
     *,
     many: bool = False,
     headers: Headers = (),
-    links: dict[str, Any] | None = None,
-) -> dict[str, dict[str, Any]]:
+    links: Object | None = None,
+) -> dict[str, Object]:
     """An operation's success response, for its `responses`: a body of the `schema` component
     (an array of them when `many`), with the rate-limit headers and `headers`."""
-    response: dict[str, Any] = {
+    response: Object = {
         "description": description,
         "headers": header_ids(headers),
         "content": {JSON: {"schema": {"type": "array", "items": schema} if many else schema}},
@@ -147,10 +153,10 @@ def ok(
     return {str(status): response}
 
 
-def errors(*refusals: Refusal, headers: Headers = ()) -> dict[str, Any]:
+def errors(*refusals: Refusal, headers: Headers = ()) -> Object:
     """An operation's error responses, for its `responses`: each of `refusals` (its own ones with
     `headers` too), then the shared ones every operation gives."""
-    found: dict[str, Any] = {}
+    found: Object = {}
     for refusal in (*refusals, *EVERY_OPERATION):
         if isinstance(refusal, int):
             found[str(refusal)] = SHARED_RESPONSES[refusal][0]
@@ -173,12 +179,12 @@ def lacks_scope(scope: str) -> Refusal:
     )
 
 
-def json_body(schema: str, description: str) -> dict[str, Any]:
+def json_body(schema: str, description: str) -> Object:
     """A required JSON request body of the `schema` component."""
     return {"required": True, "description": description, "content": {JSON: {"schema": schema}}}
 
 
-def header(description: str, schema: dict[str, Any], *, required: bool = True) -> dict[str, Any]:
+def header(description: str, schema: Object, *, required: bool = True) -> Object:
     """A header component."""
     return {"description": description, "required": required, "schema": schema}
 
@@ -186,14 +192,14 @@ def header(description: str, schema: dict[str, Any], *, required: bool = True) -
 def operation_object(
     summary: str,
     description: str,
-    *responses: Mapping[str, Any],
-    parameters: list[dict[str, Any]] | None = None,
-    request_body: dict[str, Any] | None = None,
+    *responses: Object,
+    parameters: list[Object] | None = None,
+    request_body: Object | None = None,
     sunset: int | None = None,
-) -> dict[str, Any]:
+) -> Object:
     """An Operation Object but for its operationId and tags, its `responses` those of ok() and
     errors(); deprecated, with its x-sunset day, when it has a `sunset` (unix seconds)."""
-    found: dict[str, Any] = {"summary": summary, "description": description}
+    found: Object = {"summary": summary, "description": description}
     if sunset is not None:
         found.update(
             deprecated=True, **{"x-sunset": time.strftime("%Y-%m-%d", time.gmtime(sunset))}
@@ -206,7 +212,30 @@ def operation_object(
     return found
 
 
-def idempotency_key(created: str) -> dict[str, Any]:
+def path_parameter(name: str, description: str, schema: Object) -> Object:
+    """A parameter of the path: `name` as the document writes it (petId)."""
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "description": description,
+        "schema": schema,
+    }
+
+
+def idempotent_replayed() -> dict[str, Object]:
+    """The header component of the replays of an operation that takes an idempotency_key()."""
+    return {
+        "Idempotent-Replayed": header(
+            "`true` when this is the stored first response to an earlier request "
+            "with the same `Idempotency-Key`, replayed.",
+            {"type": "string", "enum": ["true"]},
+            required=False,
+        )
+    }
+
+
+def idempotency_key(created: str) -> Object:
     """The optional Idempotency-Key header parameter of a POST that creates a `created` (Stripe's
     semantics, petstore.idempotency)."""
     return {
@@ -226,6 +255,29 @@ def idempotency_key(created: str) -> dict[str, Any]:
             "pattern": "^[\\x21-\\x7e]([\\x20-\\x7e]*[\\x21-\\x7e])?$",
             "example": "5f0c8a52-4a3b-4d39-9d2b-1c1f0e6b7a10",
         },
+    }
+
+
+# The headers of each answer of a deprecated operation itself: header name -> component id.
+DEPRECATION = {"Deprecation": "Deprecation", "Sunset": "Sunset", "Link": "SuccessorLink"}
+
+
+def deprecation_headers(
+    deprecated_at: int, sunset: int, successor: str, link: str
+) -> dict[str, Object]:
+    """The header components of DEPRECATION, for the resource of a deprecated operation: when it
+    became deprecated and goes away (unix seconds), and the `successor` that replaces it."""
+    text = {"type": "string"}
+    return {
+        "Deprecation": header(
+            "When this operation became deprecated (RFC 9745): `@` and unix seconds.",
+            {**text, "pattern": "^@-?[0-9]+$", "example": f"@{deprecated_at}"},
+        ),
+        "Sunset": header(
+            "When this operation goes away (RFC 8594), as an HTTP date.",
+            {**text, "example": http_date(sunset)},
+        ),
+        "SuccessorLink": header(f"The replacement: {successor}.", {**text, "example": link}),
     }
 
 
@@ -282,7 +334,7 @@ def add_components(spec: APISpec) -> None:
 
 # What the document says of one operation, from the app's settings: its Operation Object but for
 # the operationId and the tags, which the decorator and the resource give.
-Describe = Callable[[Mapping[str, Any]], dict[str, Any]]
+Describe = Callable[[Settings], Object]
 # A view function, kept as it is by the decorator that routes it.
 View = TypeVar("View", bound=Callable[..., Any])
 
@@ -324,7 +376,7 @@ class Resource(Blueprint):
         tag: str,
         tag_description: str,
         schemas: Mapping[str, type[Schema] | dict[str, Any]] | None = None,
-        headers: Callable[[Mapping[str, Any]], Mapping[str, dict[str, Any]]] | None = None,
+        headers: Callable[[Settings], Mapping[str, Object]] | None = None,
     ) -> None:
         super().__init__(name, import_name)
         self.tag = {"name": tag, "description": tag_description}
@@ -355,7 +407,7 @@ class Resource(Blueprint):
 
         return register
 
-    def add_components(self, spec: APISpec, config: Mapping[str, Any]) -> None:
+    def add_components(self, spec: APISpec, config: Settings) -> None:
         """This resource's schema and header components."""
         for name, schema in self.schemas.items():
             if isinstance(schema, dict):
@@ -367,7 +419,7 @@ class Resource(Blueprint):
                 spec.components.header(component_id, header)
 
 
-def add_paths(spec: APISpec, config: Mapping[str, Any], resources: Iterable[Resource]) -> None:
+def add_paths(spec: APISpec, config: Settings, resources: Iterable[Resource]) -> None:
     """The resources' operations, grouped by path."""
     paths: dict[str, dict[str, Any]] = {}
     for resource in resources:
@@ -396,7 +448,7 @@ def operation_ids(resources: Iterable[Resource]) -> dict[str, str]:
 RELATIVE_BASE_URL = "/v1"
 
 
-def servers(config: Mapping[str, Any]) -> list[dict[str, str]]:
+def servers(config: Settings) -> list[dict[str, str]]:
     """From configuration only: PETSTORE_BASE_URL or "/v1"; staging after, when it is set."""
     if config.get("PUBLIC_BASE_URL"):
         found = [{"url": config["PUBLIC_BASE_URL"], "description": "Production"}]
@@ -407,7 +459,7 @@ def servers(config: Mapping[str, Any]) -> list[dict[str, str]]:
     return found
 
 
-def build_document(config: Mapping[str, Any], resources: Iterable[Resource]) -> dict[str, Any]:
+def build_document(config: Settings, resources: Iterable[Resource]) -> dict[str, Any]:
     """The OpenAPI document for an app with this configuration and these resources
     (petstore.views.RESOURCES): the same whoever asks."""
     resources = tuple(resources)

@@ -4,66 +4,45 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
-from typing import Any
 
 from flask import Response, current_app
 from werkzeug.http import http_date
 
-from petstore import idempotency, schemas
+from petstore import idempotency, openapi, schemas
 from petstore.auth import current_caller, needs_scope
 from petstore.db import Connection, get_conn
 from petstore.durable import durable_write
 from petstore.errors import APIError
-from petstore.openapi import (
-    Resource,
-    errors,
-    header,
-    idempotency_key,
-    json_body,
-    lacks_scope,
-    ok,
-    operation_object,
-)
 from petstore.queries import pets as pet_sql
 from petstore.standbys import read_on_standby_if_any
 from petstore.web import API_PREFIX, body_as_json, json_response, validate, validate_query
 
+# getPet's Link to the operation that replaces it.
+SUCCESSOR = f'<{API_PREFIX}/pets>; rel="successor-version"'
 
-def header_components(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The headers of the pets' responses, by component id: Location, the replay flag, the next
-    page, and getPet's deprecation."""
+
+def header_components(config: openapi.Settings) -> dict[str, openapi.Object]:
+    """The headers of the pets' responses by component id: Location, replays, pages, deprecation."""
     text = {"type": "string"}
     return {
-        "Location": header("The path of the new pet.", {**text, "example": "/v1/pets/1"}),
-        "Idempotent-Replayed": header(
-            "`true` when this is the stored first response to an earlier request "
-            "with the same `Idempotency-Key`, replayed.",
-            {**text, "enum": ["true"]},
-            required=False,
-        ),
-        "NextPage": header(
+        "Location": openapi.header("The path of the new pet.", {**text, "example": "/v1/pets/1"}),
+        **openapi.idempotent_replayed(),
+        "NextPage": openapi.header(
             'The next page, on full pages only: `<url>; rel="next"` (RFC 8288); its '
             "`after` parameter is the id of the last pet of this page.",
             {**text, "example": '</v1/pets?limit=20&after=20>; rel="next"'},
             required=False,
         ),
-        "Deprecation": header(
-            "When this operation became deprecated (RFC 9745): `@` and unix seconds.",
-            {**text, "pattern": "^@-?[0-9]+$", "example": f"@{config['DEPRECATED_AT']}"},
-        ),
-        "Sunset": header(
-            "When this operation goes away (RFC 8594), as an HTTP date.",
-            {**text, "example": http_date(config["SUNSET"])},
-        ),
-        "SuccessorLink": header(
-            "The replacement: `GET /v1/pets` (with the `status` filter).",
-            {**text, "example": '</v1/pets>; rel="successor-version"'},
+        **openapi.deprecation_headers(
+            config["DEPRECATED_AT"],
+            config["SUNSET"],
+            "`GET /v1/pets` (with the `status` filter)",
+            SUCCESSOR,
         ),
     }
 
 
-bp = Resource(
+bp = openapi.Resource(
     "pets",
     __name__,
     tag="pets",
@@ -72,20 +51,16 @@ bp = Resource(
     headers=header_components,
 )
 
-PET_ID = schemas.DIGITS
-# getPet's Deprecation, Sunset and successor Link headers: the header name -> component id.
-DEPRECATION = {"Deprecation": "Deprecation", "Sunset": "Sunset", "Link": "SuccessorLink"}
 
-
-def list_pets_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def list_pets_operation(config: openapi.Settings) -> openapi.Object:
     """listPets' Operation Object."""
-    return operation_object(
+    return openapi.operation_object(
         "List pets",
         "Pets by id ascending, at most `limit` of them, optionally only those of one `status`. "
         'A full page carries `Link: <...>; rel="next"` to the next one (a keyset cursor, '
         "`after`). Unknown query parameters are refused (400).",
-        ok(200, "Pet", "A page of pets.", many=True, headers={"Link": "NextPage"}),
-        errors(400),
+        openapi.ok(200, "Pet", "A page of pets.", many=True, headers={"Link": "NextPage"}),
+        openapi.errors(400),
         parameters=[{"in": "query", "schema": schemas.ListPetsQuery}],
     )
 
@@ -111,14 +86,14 @@ def list_pets() -> Response:
     return json_response(page["pets"], headers=headers)
 
 
-def create_pet_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def create_pet_operation(config: openapi.Settings) -> openapi.Object:
     """createPet's Operation Object."""
     new_pet = {"operationId": "getPet", "parameters": {"petId": "$response.body#/id"}}
-    return operation_object(
+    return openapi.operation_object(
         "Add a pet",
         "Stores a NewPet and answers the Pet with its new `id`. A `status` left out stays "
         "unstated (it is not defaulted).",
-        ok(
+        openapi.ok(
             201,
             "Pet",
             "Created; `Location` is the new pet's path. A repeat with the same "
@@ -126,15 +101,15 @@ def create_pet_operation(config: Mapping[str, Any]) -> dict[str, Any]:
             headers=("Location", "Idempotent-Replayed"),
             links={"GetPetById": {**new_pet, "description": "The new pet, by its `id`."}},
         ),
-        errors(
+        openapi.errors(
             400,
-            lacks_scope("write"),
+            openapi.lacks_scope("write"),
             (409, "The `Idempotency-Key` was used before with a different body."),
             (413, f"The body is longer than {config['MAX_CONTENT_LENGTH']} bytes."),
             (415, "The body is not `application/json`."),
         ),
-        parameters=[idempotency_key("pet")],
-        request_body=json_body(
+        parameters=[openapi.idempotency_key("pet")],
+        request_body=openapi.json_body(
             "NewPet", "The new pet; `id` and any other unknown field are refused."
         ),
     )
@@ -166,43 +141,37 @@ def create_pet() -> Response:
         return idempotency.once(conn, current_caller().key_id, key, new_pet, store)
 
 
-def get_pet_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def get_pet_operation(config: openapi.Settings) -> openapi.Object:
     """getPet's Operation Object: deprecated, with its sunset from the settings."""
     sunset = http_date(config["SUNSET"])
-    pet_id = {"type": "integer", "format": "int64"}
-    return operation_object(
+    pet_id = openapi.path_parameter(
+        "petId",
+        "Identifier of the pet. One that is not an int64 is a pet that does not exist (404).",
+        {"type": "integer", "format": "int64"},
+    )
+    return openapi.operation_object(
         "Get a pet (deprecated)",
         f"Deprecated: removed at its sunset, {sunset}; from then on it answers 410. Use "
         "`GET /pets` with the `status` filter instead. Every answer of the operation itself "
         "carries `Deprecation`, `Sunset` and a `Link` to it.",
-        ok(200, "Pet", "The pet.", headers=DEPRECATION),
-        errors(
+        openapi.ok(200, "Pet", "The pet.", headers=openapi.DEPRECATION),
+        openapi.errors(
             (404, "No pet has this id."),
             (410, f"The operation was removed at its sunset ({sunset})."),
-            headers=DEPRECATION,
+            headers=openapi.DEPRECATION,
         ),
-        parameters=[
-            {
-                "name": "petId",
-                "in": "path",
-                "required": True,
-                "description": "Identifier of the pet. One that is not an int64 is a pet "
-                "that does not exist (404).",
-                "schema": pet_id,
-            }
-        ],
+        parameters=[pet_id],
         sunset=config["SUNSET"],
     )
 
 
 @functools.lru_cache(maxsize=8)
 def deprecation_fields(deprecated_at: int, sunset: int) -> tuple[tuple[str, str], ...]:
-    """getPet's Deprecation, Sunset and Link fields, made once per pair of settings (formatting
-    the date took 4 µs of every request)."""
+    """getPet's Deprecation, Sunset and Link fields, made once: formatting took 4 µs a request."""
     return (
         ("Deprecation", f"@{deprecated_at}"),
         ("Sunset", http_date(sunset)),
-        ("Link", f'<{API_PREFIX}/pets>; rel="successor-version"'),
+        ("Link", SUCCESSOR),
     )
 
 
@@ -219,7 +188,7 @@ def get_pet(pet_id: str) -> Response:
             headers=headers,
         )
     # Not an int64: no such pet (404), the same answer as for an id that does not exist.
-    if not PET_ID.fullmatch(pet_id) or int(pet_id) > schemas.INT64_MAX:
+    if not schemas.DIGITS.fullmatch(pet_id) or int(pet_id) > schemas.INT64_MAX:
         raise APIError(404, "No pet with this id.", headers=headers)
     pet = read_on_standby_if_any(pet_sql.find_pet, int(pet_id))
     if pet is None and current_app.config.get("READ_DATABASE_URL"):

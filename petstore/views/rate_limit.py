@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from flask import Response
 
-from petstore import schemas
+from petstore import openapi, schemas
 from petstore.auth import current_caller, uncounted
-from petstore.openapi import Resource, errors, ok, operation_object
 from petstore.ratelimit import budgets
 from petstore.web import json_response
 
-bp = Resource(
+bp = openapi.Resource(
     "rate_limit",
     __name__,
     tag="rate limits",
@@ -22,19 +18,19 @@ bp = Resource(
 )
 
 
-def get_rate_limit_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def get_rate_limit_operation(config: openapi.Settings) -> openapi.Object:
     """getRateLimit's Operation Object."""
-    return operation_object(
+    return openapi.operation_object(
         "The caller's own rate limits, ban and strikes",
         "Spends no budget and counts no strike, and answers 200 also while the key is "
         "throttled or banned, so a client can learn when to come back. Without a valid key it "
         "is a 401 like any other operation, counted against the client's address.",
-        ok(
+        openapi.ok(
             200,
             "RateLimit",
             "The key's standing; X-RateLimit-* show the limit nearest to running out.",
         ),
-        errors(),
+        openapi.errors(),
     )
 
 

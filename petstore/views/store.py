@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from flask import Response
 
+from petstore import openapi
 from petstore.errors import APIError
-from petstore.openapi import Resource, errors, operation_object
 
-bp = Resource(
+bp = openapi.Resource(
     "store",
     __name__,
     tag="store",
@@ -18,14 +15,14 @@ bp = Resource(
 )
 
 
-def list_orders_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def list_orders_operation(config: openapi.Settings) -> openapi.Object:
     """listOrders' Operation Object: why it answers 501."""
-    return operation_object(
+    return openapi.operation_object(
         "List store orders (not implemented)",
         "The specification names this operation but shows none of its parameters or "
         "payloads, nor the fields of an order. Rather than invent them, the service answers "
         "501 to every authorized call.",
-        errors((501, "Store orders are not specified, so they are not implemented.")),
+        openapi.errors((501, "Store orders are not specified, so they are not implemented.")),
     )
 
 

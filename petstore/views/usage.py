@@ -8,15 +8,14 @@ from typing import Any
 
 from flask import Response
 
-from petstore import schemas, usage
+from petstore import openapi, schemas, usage
 from petstore.auth import current_caller
 from petstore.db import get_conn
 from petstore.errors import APIError
-from petstore.openapi import Resource, errors, lacks_scope, ok, operation_object
 from petstore.queries import usage as usage_sql
 from petstore.web import json_response, validate_query
 
-bp = Resource(
+bp = openapi.Resource(
     "usage",
     __name__,
     tag="usage",
@@ -28,17 +27,17 @@ bp = Resource(
 LONGEST = {"day": 90, "hour": 7}
 
 
-def get_usage_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def get_usage_operation(config: openapi.Settings) -> openapi.Object:
     """getUsage's Operation Object."""
-    return operation_object(
+    return openapi.operation_object(
         "The calling key's own requests per UTC day or hour, by outcome",
         "Counts of the calling key only, never another key's; the `read` scope is enough. "
         "`from` and `to` are UTC dates, both included, today by default; at most "
         f"{LONGEST['day']} days of days or {LONGEST['hour']} days of hours. One bucket per "
         "period that has requests, oldest first. A request is in its bucket within 10 seconds "
         "of its answer. Counted and rate-limited like any other request.",
-        ok(200, "Usage", "The key's requests per period."),
-        errors(400, lacks_scope("read")),
+        openapi.ok(200, "Usage", "The key's requests per period."),
+        openapi.errors(400, openapi.lacks_scope("read")),
         parameters=[{"in": "query", "schema": schemas.UsageQuery}],
     )
 
