@@ -2,8 +2,10 @@
 
 A views module's blueprint is a `Resource`: its tag, the schema and header components its
 operations use, and each operation, routed and described by one decorator,
-`@bp.operation(rule, method, operation_id, describe)`. build_document collects them; this module
-imports no view.
+`@bp.operation(rule, method, operation_id, describe)`, where `describe(config)` returns
+operation_object(summary, description, ok(...), errors(...)). The builders take what every
+operation shares from here and each status's Error codes from errors.ERRORS. build_document
+collects the resources; this module imports no view.
 """
 
 from __future__ import annotations
