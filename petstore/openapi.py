@@ -203,9 +203,8 @@ def operation_object(
     errors(); deprecated, with its x-sunset day, when it has a `sunset` (unix seconds)."""
     found: Object = {"summary": summary, "description": description}
     if sunset is not None:
-        found.update(
-            deprecated=True, **{"x-sunset": time.strftime("%Y-%m-%d", time.gmtime(sunset))}
-        )
+        found["deprecated"] = True
+        found["x-sunset"] = time.strftime("%Y-%m-%d", time.gmtime(sunset))
     if parameters:
         found["parameters"] = parameters
     if request_body:
