@@ -2,14 +2,17 @@
 
 A views module's blueprint is a `Resource`: its tag, the schema and header components its
 operations use, and each operation, routed and described by one decorator,
-`@bp.operation(rule, method, operation_object)`. build_document collects them; this module
-imports no view.
+`@bp.operation(rule, method, operation_id, describe)`, where `describe(config)` returns
+operation_object(summary, description, ok(...), errors(...)). The builders take what every
+operation shares from here and each status's Error codes from errors.ERRORS. build_document
+collects the resources; this module imports no view.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -18,8 +21,10 @@ from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin
 from flask import Blueprint
 from marshmallow import Schema
+from werkzeug.http import http_date
 
-from petstore import errors, plans, schemas
+from petstore import plans, schemas
+from petstore.errors import codes_of
 
 # 3.0, not 3.1: in 3.1 (JSON Schema 2020-12) `1.0` is an integer, but this service refuses it
 # for categoryId (a JSON integer literal is required); 3.0's Schema Object says the same as we do.
@@ -27,6 +32,11 @@ OPENAPI_VERSION = "3.0.3"
 API_VERSION = "1.0.0"
 SECURITY_SCHEME = "bearerAuth"
 JSON = "application/json"
+
+# The app's settings, which some descriptions quote, and an object of the document (an Operation,
+# Response or Header Object...) as JSON.
+Settings = Mapping[str, Any]
+Object = dict[str, Any]
 
 RATE_LIMIT_HEADERS = (
     "X-RateLimit-Limit",
@@ -71,21 +81,205 @@ def description() -> str:
     return DESCRIPTION.format(plans=numbers)
 
 
-def error_response_object(
-    status: int, description: str, headers: tuple[str, ...] = ()
-) -> dict[str, Any]:
-    """A response object with the Error body, the rate-limit headers and `headers` (component ids)."""
-    codes = ", ".join(f"`{code}`" for code in errors.codes_of(status))
+# A response's headers: names that are their components' ids ("Location",), or header name ->
+# component id where they differ ({"Link": "NextPage"}).
+Headers = Iterable[str] | Mapping[str, str]
+
+# The responses operations share, by status: their component id, description and headers. Every
+# operation gives 401, 429, 500 and 503 (whoever calls, whatever is asked); 400 where it lists it.
+SHARED_RESPONSES: dict[int, tuple[str, str, tuple[str, ...]]] = {
+    400: (
+        "BadRequest",
+        "The request is invalid; `errors` names each bad field, when fields are to blame.",
+        (),
+    ),
+    401: (
+        "Unauthorized",
+        "The API key is missing, malformed, unknown, revoked or expired.",
+        ("WWW-Authenticate",),
+    ),
+    429: (
+        "TooManyRequests",
+        "The rate limit is spent (`rate_limited`), or the key is banned for calling on "
+        "after 429s (`api_key_banned`). `Retry-After` says when to try again.",
+        ("Retry-After",),
+    ),
+    500: ("InternalError", "The service failed; no detail is given.", ()),
+    503: (
+        "ServiceUnavailable",
+        "The database is unavailable or too slow; retry after `Retry-After`.",
+        ("Retry-After",),
+    ),
+}
+EVERY_OPERATION = (401, 429, 500, 503)
+
+# One error response of an operation: a status with a shared response (400), or one of its own,
+# (status, description) or (status, description, headers).
+Refusal = int | tuple[int, str] | tuple[int, str, Headers]
+
+
+def header_ids(headers: Headers) -> dict[str, str]:
+    """Header name -> component id, with the rate-limit headers every response carries first."""
+    named = headers if isinstance(headers, Mapping) else {name: name for name in headers}
+    return {**{name: name for name in RATE_LIMIT_HEADERS}, **named}
+
+
+def error_response_object(status: int, description: str, headers: Headers = ()) -> Object:
+    """A Response Object with the Error body, its codes from errors.ERRORS, and `headers`."""
+    codes = ", ".join(f"`{code}`" for code in codes_of(status))
     return {
         "description": f"{description} Code: {codes}.",
-        "headers": {**rate_limit_headers(), **{name: name for name in headers}},
+        "headers": header_ids(headers),
         "content": {JSON: {"schema": "Error"}},
     }
 
 
-def rate_limit_headers() -> dict[str, str]:
-    """The X-RateLimit-* headers every response carries, as references to their components."""
-    return {name: name for name in RATE_LIMIT_HEADERS}
+def ok(
+    status: int,
+    schema: str,
+    description: str,
+    *,
+    many: bool = False,
+    headers: Headers = (),
+    links: Object | None = None,
+) -> dict[str, Object]:
+    """An operation's success response, for its `responses`: a body of the `schema` component
+    (an array of them when `many`), with the rate-limit headers and `headers`."""
+    response: Object = {
+        "description": description,
+        "headers": header_ids(headers),
+        "content": {JSON: {"schema": {"type": "array", "items": schema} if many else schema}},
+    }
+    if links:
+        response["links"] = links
+    return {str(status): response}
+
+
+def errors(*refusals: Refusal, headers: Headers = ()) -> Object:
+    """An operation's error responses, for its `responses`: each of `refusals` (its own ones with
+    `headers` too), then the shared ones every operation gives."""
+    found: Object = {}
+    for refusal in (*refusals, *EVERY_OPERATION):
+        if isinstance(refusal, int):
+            found[str(refusal)] = SHARED_RESPONSES[refusal][0]
+            continue
+        status, description, *own = refusal
+        found[str(status)] = error_response_object(
+            status, description, {**header_ids(own[0] if own else ()), **header_ids(headers)}
+        )
+    return found
+
+
+def lacks_scope(scope: str) -> Refusal:
+    """The 403 of an operation that needs `scope`, to a key without it, for errors()."""
+    other = {"read": "write", "write": "read"}[scope]
+    return (
+        403,
+        f"The API key lacks the `{scope}` scope (a {other}-only key); "
+        f'`WWW-Authenticate` says `error="insufficient_scope", scope="{scope}"`.',
+        ("WWW-Authenticate",),
+    )
+
+
+def json_body(schema: str, description: str) -> Object:
+    """A required JSON request body of the `schema` component."""
+    return {"required": True, "description": description, "content": {JSON: {"schema": schema}}}
+
+
+def header(description: str, schema: Object, *, required: bool = True) -> Object:
+    """A header component."""
+    return {"description": description, "required": required, "schema": schema}
+
+
+def operation_object(
+    summary: str,
+    description: str,
+    *responses: Object,
+    parameters: list[Object] | None = None,
+    request_body: Object | None = None,
+    sunset: int | None = None,
+) -> Object:
+    """An Operation Object but for its operationId and tags, its `responses` those of ok() and
+    errors(); deprecated, with its x-sunset day, when it has a `sunset` (unix seconds)."""
+    found: Object = {"summary": summary, "description": description}
+    if sunset is not None:
+        found["deprecated"] = True
+        found["x-sunset"] = time.strftime("%Y-%m-%d", time.gmtime(sunset))
+    if parameters:
+        found["parameters"] = parameters
+    if request_body:
+        found["requestBody"] = request_body
+    found["responses"] = {status: each for group in responses for status, each in group.items()}
+    return found
+
+
+def path_parameter(name: str, description: str, schema: Object) -> Object:
+    """A parameter of the path: `name` as the document writes it (petId)."""
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "description": description,
+        "schema": schema,
+    }
+
+
+def idempotent_replayed() -> dict[str, Object]:
+    """The header component of the replays of an operation that takes an idempotency_key()."""
+    return {
+        "Idempotent-Replayed": header(
+            "`true` when this is the stored first response to an earlier request "
+            "with the same `Idempotency-Key`, replayed.",
+            {"type": "string", "enum": ["true"]},
+            required=False,
+        )
+    }
+
+
+def idempotency_key(created: str) -> Object:
+    """The optional Idempotency-Key header parameter of a POST that creates a `created` (Stripe's
+    semantics, petstore.idempotency)."""
+    return {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": False,
+        "description": "Makes a retried POST safe: the first response for a key (and API key) is "
+        "stored for 24 hours and replayed, with `Idempotent-Replayed: true`, to every repeat with "
+        f"the same body, instead of creating a second {created}. A repeat sent while the first "
+        "request is still running waits for it and gets the replay. The same key with a "
+        "different body answers 409 `idempotency_key_reused`. 1 to 255 printable ASCII "
+        "characters (a UUID fits); a malformed key answers 400.",
+        "schema": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 255,
+            "pattern": "^[\\x21-\\x7e]([\\x20-\\x7e]*[\\x21-\\x7e])?$",
+            "example": "5f0c8a52-4a3b-4d39-9d2b-1c1f0e6b7a10",
+        },
+    }
+
+
+# The headers of each answer of a deprecated operation itself: header name -> component id.
+DEPRECATION = {"Deprecation": "Deprecation", "Sunset": "Sunset", "Link": "SuccessorLink"}
+
+
+def deprecation_headers(
+    deprecated_at: int, sunset: int, successor: str, link: str
+) -> dict[str, Object]:
+    """The header components of DEPRECATION, for the resource of a deprecated operation: when it
+    became deprecated and goes away (unix seconds), and the `successor` that replaces it."""
+    text = {"type": "string"}
+    return {
+        "Deprecation": header(
+            "When this operation became deprecated (RFC 9745): `@` and unix seconds.",
+            {**text, "pattern": "^@-?[0-9]+$", "example": f"@{deprecated_at}"},
+        ),
+        "Sunset": header(
+            "When this operation goes away (RFC 8594), as an HTTP date.",
+            {**text, "example": http_date(sunset)},
+        ),
+        "SuccessorLink": header(f"The replacement: {successor}.", {**text, "example": link}),
+    }
 
 
 def add_components(spec: APISpec) -> None:
@@ -100,117 +294,48 @@ def add_components(spec: APISpec) -> None:
             "description": "The API key, as `Authorization: Bearer <key>`.",
         },
     )
-    integer_header = {"type": "integer", "minimum": 0}
-    spec.components.header(
-        "X-RateLimit-Limit",
-        {
-            "description": "The number of requests of the limit in force (per minute or per day).",
-            "required": True,
-            "schema": integer_header,
-        },
-    )
-    spec.components.header(
-        "X-RateLimit-Remaining",
-        {
-            "description": "Requests left in the current window of that limit.",
-            "required": True,
-            "schema": integer_header,
-        },
-    )
-    spec.components.header(
-        "X-RateLimit-Reset",
-        {
-            "description": "When the window of that limit ends: unix time, in seconds.",
-            "required": True,
-            "schema": integer_header,
-        },
-    )
-    spec.components.header(
-        "RateLimit-Policy",
-        {
-            "description": "The key's quota policies (draft-ietf-httpapi-ratelimit-headers-10, "
+    count = {"type": "integer", "minimum": 0}
+    text = {"type": "string"}
+    for component_id, header_object in {
+        "X-RateLimit-Limit": header(
+            "The number of requests of the limit in force (per minute or per day).", count
+        ),
+        "X-RateLimit-Remaining": header(
+            "Requests left in the current window of that limit.", count
+        ),
+        "X-RateLimit-Reset": header(
+            "When the window of that limit ends: unix time, in seconds.", count
+        ),
+        "RateLimit-Policy": header(
+            "The key's quota policies (draft-ietf-httpapi-ratelimit-headers-10, "
             "a structured-field List): one item per limit, its quota `q` and window `w` in "
             'seconds, e.g. `"minute";q=60;w=60, "day";q=1000;w=86400`.',
-            "required": True,
-            "schema": {"type": "string"},
-        },
-    )
-    spec.components.header(
-        "RateLimit",
-        {
-            "description": "The limit in force, as in X-RateLimit-* (the same draft): its "
+            text,
+        ),
+        "RateLimit": header(
+            "The limit in force, as in X-RateLimit-* (the same draft): its "
             "policy name, remaining requests `r` and seconds `t` until its window ends, "
             'e.g. `"minute";r=42;t=17`.',
-            "required": True,
-            "schema": {"type": "string"},
-        },
-    )
-    spec.components.header(
-        "Retry-After",
-        {
-            "description": "Seconds to wait before trying again.",
-            "required": True,
-            "schema": {"type": "integer", "minimum": 1},
-        },
-    )
-    spec.components.header(
-        "WWW-Authenticate",
-        {
-            "description": 'The challenge: `Bearer realm="petstore"`, plus `error="invalid_token"` '
+            text,
+        ),
+        "Retry-After": header(
+            "Seconds to wait before trying again.", {"type": "integer", "minimum": 1}
+        ),
+        "WWW-Authenticate": header(
+            'The challenge: `Bearer realm="petstore"`, plus `error="invalid_token"` '
             'when a token was sent, or `error="insufficient_scope"` and the `scope` needed '
             "(RFC 6750).",
-            "required": True,
-            "schema": {"type": "string"},
-        },
-    )
-    spec.components.response(
-        "BadRequest",
-        error_response_object(
-            400, "The request is invalid; `errors` names each bad field, when fields are to blame."
+            text,
         ),
-    )
-    spec.components.response(
-        "Unauthorized",
-        error_response_object(
-            401,
-            "The API key is missing, malformed, unknown, revoked or expired.",
-            ("WWW-Authenticate",),
-        ),
-    )
-    spec.components.response(
-        "TooManyRequests",
-        error_response_object(
-            429,
-            "The rate limit is spent (`rate_limited`), or the key is banned for calling on "
-            "after 429s (`api_key_banned`). `Retry-After` says when to try again.",
-            ("Retry-After",),
-        ),
-    )
-    spec.components.response(
-        "InternalError", error_response_object(500, "The service failed; no detail is given.")
-    )
-    spec.components.response(
-        "ServiceUnavailable",
-        error_response_object(
-            503,
-            "The database is unavailable or too slow; retry after `Retry-After`.",
-            ("Retry-After",),
-        ),
-    )
+    }.items():
+        spec.components.header(component_id, header_object)
+    for status, (component_id, description, headers) in SHARED_RESPONSES.items():
+        spec.components.response(component_id, error_response_object(status, description, headers))
 
 
-def common_responses() -> dict[str, str]:
-    """Responses every operation may give, whoever calls and whatever is asked."""
-    return {
-        "401": "Unauthorized",
-        "429": "TooManyRequests",
-        "500": "InternalError",
-        "503": "ServiceUnavailable",
-    }
-
-
-# What the document says of one operation, from the app's settings: its Operation Object.
-OperationObject = Callable[[Mapping[str, Any]], dict[str, Any]]
+# What the document says of one operation, from the app's settings: its Operation Object but for
+# the operationId and the tags, which the decorator and the resource give.
+Describe = Callable[[Settings], Object]
 # A view function, kept as it is by the decorator that routes it.
 View = TypeVar("View", bound=Callable[..., Any])
 
@@ -236,7 +361,8 @@ class Operation:
     path: str  # under /v1, as the document writes it: /pets/{petId}
     method: str  # lowercase, as the document's path item keys it
     endpoint: str  # the Flask endpoint of its view: pets.get_pet
-    operation_object: OperationObject
+    operation_id: str  # getPet
+    describe: Describe
 
 
 class Resource(Blueprint):
@@ -251,7 +377,7 @@ class Resource(Blueprint):
         tag: str,
         tag_description: str,
         schemas: Mapping[str, type[Schema] | dict[str, Any]] | None = None,
-        headers: Callable[[Mapping[str, Any]], Mapping[str, dict[str, Any]]] | None = None,
+        headers: Callable[[Settings], Mapping[str, Object]] | None = None,
     ) -> None:
         super().__init__(name, import_name)
         self.tag = {"name": tag, "description": tag_description}
@@ -262,10 +388,10 @@ class Resource(Blueprint):
         self.operations: list[Operation] = []
 
     def operation(
-        self, rule: str, method: str, operation_object: OperationObject
+        self, rule: str, method: str, operation_id: str, describe: Describe
     ) -> Callable[[View], View]:
         """Route the decorated view at `rule` (under /v1) for `method`, and describe it in the
-        document by `operation_object`: the path is written here only."""
+        document as `operation_id` by `describe`: the path is written here only."""
 
         def register(view: View) -> View:
             self.add_url_rule(rule, view_func=view, methods=[method.upper()])
@@ -274,14 +400,15 @@ class Resource(Blueprint):
                     document_path(rule),
                     method.lower(),
                     f"{self.name}.{view.__name__}",
-                    operation_object,
+                    operation_id,
+                    describe,
                 )
             )
             return view
 
         return register
 
-    def add_components(self, spec: APISpec, config: Mapping[str, Any]) -> None:
+    def add_components(self, spec: APISpec, config: Settings) -> None:
         """This resource's schema and header components."""
         for name, schema in self.schemas.items():
             if isinstance(schema, dict):
@@ -293,26 +420,25 @@ class Resource(Blueprint):
                 spec.components.header(component_id, header)
 
 
-def add_paths(spec: APISpec, config: Mapping[str, Any], resources: Iterable[Resource]) -> None:
+def add_paths(spec: APISpec, config: Settings, resources: Iterable[Resource]) -> None:
     """The resources' operations, grouped by path."""
     paths: dict[str, dict[str, Any]] = {}
     for resource in resources:
         for operation in resource.operations:
-            found = operation.operation_object(config)
             # The resource's tag, in the place the Operation Object's fields usually take.
             paths.setdefault(operation.path, {})[operation.method] = {
-                "operationId": found.pop("operationId"),
+                "operationId": operation.operation_id,
                 "tags": [resource.tag["name"]],
-                **found,
+                **operation.describe(config),
             }
     for path, operations in paths.items():
         spec.path(path, operations=operations)
 
 
-def operation_ids(config: Mapping[str, Any], resources: Iterable[Resource]) -> dict[str, str]:
+def operation_ids(resources: Iterable[Resource]) -> dict[str, str]:
     """Flask endpoint -> operationId of each of the resources' operations."""
     return {
-        operation.endpoint: operation.operation_object(config)["operationId"]
+        operation.endpoint: operation.operation_id
         for resource in resources
         for operation in resource.operations
     }
@@ -323,7 +449,7 @@ def operation_ids(config: Mapping[str, Any], resources: Iterable[Resource]) -> d
 RELATIVE_BASE_URL = "/v1"
 
 
-def servers(config: Mapping[str, Any]) -> list[dict[str, str]]:
+def servers(config: Settings) -> list[dict[str, str]]:
     """From configuration only: PETSTORE_BASE_URL or "/v1"; staging after, when it is set."""
     if config.get("PUBLIC_BASE_URL"):
         found = [{"url": config["PUBLIC_BASE_URL"], "description": "Production"}]
@@ -334,7 +460,7 @@ def servers(config: Mapping[str, Any]) -> list[dict[str, str]]:
     return found
 
 
-def build_document(config: Mapping[str, Any], resources: Iterable[Resource]) -> dict[str, Any]:
+def build_document(config: Settings, resources: Iterable[Resource]) -> dict[str, Any]:
     """The OpenAPI document for an app with this configuration and these resources
     (petstore.views.RESOURCES): the same whoever asks."""
     resources = tuple(resources)

@@ -2,11 +2,11 @@
 
 A resource is a views module whose blueprint `bp` is a petstore.openapi.Resource: it declares its
 tag and the schema and header components its operations use, and routes each view with its
-Operation Object (`@bp.operation(rule, method, operation_object)`). create_app registers the
-blueprints of RESOURCES under /v1, the OpenAPI document collects their tags, components and
-operations, and petstore.metrics counts their requests by operationId (operation_ids()). A new
-resource is such a module, named in RESOURCES; a new operation of a resource touches its module
-only.
+operationId and description (`@bp.operation(rule, method, operation_id, describe)`). create_app
+registers the blueprints of RESOURCES under /v1, the OpenAPI document collects their tags,
+components and operations, and petstore.metrics counts their requests by operationId
+(operation_ids()). A new resource is such a module, named in RESOURCES; a new operation of a
+resource touches its module only.
 """
 
 from __future__ import annotations
@@ -27,5 +27,7 @@ def operations() -> list[Operation]:
 
 
 def operation_ids(app: Flask) -> dict[str, str]:
-    """Flask endpoint -> operationId of each operation of RESOURCES."""
-    return openapi.operation_ids(app.config, RESOURCES)
+    """Flask endpoint -> operationId of each operation of the RESOURCES the app registered."""
+    return openapi.operation_ids(
+        resource for resource in RESOURCES if resource.name in app.blueprints
+    )

@@ -4,73 +4,45 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
-from typing import Any
 
 from flask import Response, current_app
 from werkzeug.http import http_date
 
-from petstore import idempotency, schemas
+from petstore import idempotency, openapi, schemas
 from petstore.auth import current_caller, needs_scope
 from petstore.db import Connection, get_conn
 from petstore.durable import durable_write
 from petstore.errors import APIError
-from petstore.openapi import (
-    JSON,
-    Resource,
-    common_responses,
-    error_response_object,
-    rate_limit_headers,
-)
 from petstore.queries import pets as pet_sql
 from petstore.standbys import read_on_standby_if_any
 from petstore.web import API_PREFIX, body_as_json, json_response, validate, validate_query
 
+# getPet's Link to the operation that replaces it.
+SUCCESSOR = f'<{API_PREFIX}/pets>; rel="successor-version"'
 
-def header_components(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The headers of the pets' responses, by component id: Location, the replay flag, the next
-    page, and getPet's deprecation."""
+
+def header_components(config: openapi.Settings) -> dict[str, openapi.Object]:
+    """The headers of the pets' responses by component id: Location, replays, pages, deprecation."""
+    text = {"type": "string"}
     return {
-        "Location": {
-            "description": "The path of the new pet.",
-            "required": True,
-            "schema": {"type": "string", "example": "/v1/pets/1"},
-        },
-        "Idempotent-Replayed": {
-            "description": "`true` when this is the stored first response to an earlier request "
-            "with the same `Idempotency-Key`, replayed.",
-            "required": False,
-            "schema": {"type": "string", "enum": ["true"]},
-        },
-        "NextPage": {
-            "description": 'The next page, on full pages only: `<url>; rel="next"` (RFC 8288); its '
+        "Location": openapi.header("The path of the new pet.", {**text, "example": "/v1/pets/1"}),
+        **openapi.idempotent_replayed(),
+        "NextPage": openapi.header(
+            'The next page, on full pages only: `<url>; rel="next"` (RFC 8288); its '
             "`after` parameter is the id of the last pet of this page.",
-            "required": False,
-            "schema": {"type": "string", "example": '</v1/pets?limit=20&after=20>; rel="next"'},
-        },
-        "Deprecation": {
-            "description": "When this operation became deprecated (RFC 9745): `@` and unix seconds.",
-            "required": True,
-            "schema": {
-                "type": "string",
-                "pattern": "^@-?[0-9]+$",
-                "example": f"@{config['DEPRECATED_AT']}",
-            },
-        },
-        "Sunset": {
-            "description": "When this operation goes away (RFC 8594), as an HTTP date.",
-            "required": True,
-            "schema": {"type": "string", "example": http_date(config["SUNSET"])},
-        },
-        "SuccessorLink": {
-            "description": "The replacement: `GET /v1/pets` (with the `status` filter).",
-            "required": True,
-            "schema": {"type": "string", "example": '</v1/pets>; rel="successor-version"'},
-        },
+            {**text, "example": '</v1/pets?limit=20&after=20>; rel="next"'},
+            required=False,
+        ),
+        **openapi.deprecation_headers(
+            config["DEPRECATED_AT"],
+            config["SUNSET"],
+            "`GET /v1/pets` (with the `status` filter)",
+            SUCCESSOR,
+        ),
     }
 
 
-bp = Resource(
+bp = openapi.Resource(
     "pets",
     __name__,
     tag="pets",
@@ -79,43 +51,21 @@ bp = Resource(
     headers=header_components,
 )
 
-PET_ID = schemas.DIGITS
 
-
-def deprecation_headers() -> dict[str, str]:
-    """getPet's Deprecation, Sunset and successor Link headers (the response header name -> component id)."""
-    return {"Deprecation": "Deprecation", "Sunset": "Sunset", "Link": "SuccessorLink"}
-
-
-def deprecated_error(status: int, description: str) -> dict[str, Any]:
-    """An Error response of getPet itself, with its deprecation headers."""
-    response = error_response_object(status, description)
-    response["headers"].update(deprecation_headers())
-    return response
-
-
-def list_pets_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def list_pets_operation(config: openapi.Settings) -> openapi.Object:
     """listPets' Operation Object."""
-    return {
-        "operationId": "listPets",
-        "summary": "List pets",
-        "description": "Pets by id ascending, at most `limit` of them, optionally only "
-        'those of one `status`. A full page carries `Link: <...>; rel="next"` to the '
-        "next one (a keyset cursor, `after`). Unknown query parameters are refused (400).",
-        "parameters": [{"in": "query", "schema": schemas.ListPetsQuery}],
-        "responses": {
-            "200": {
-                "description": "A page of pets.",
-                "headers": {**rate_limit_headers(), "Link": "NextPage"},
-                "content": {JSON: {"schema": {"type": "array", "items": "Pet"}}},
-            },
-            "400": "BadRequest",
-            **common_responses(),
-        },
-    }
+    return openapi.operation_object(
+        "List pets",
+        "Pets by id ascending, at most `limit` of them, optionally only those of one `status`. "
+        'A full page carries `Link: <...>; rel="next"` to the next one (a keyset cursor, '
+        "`after`). Unknown query parameters are refused (400).",
+        openapi.ok(200, "Pet", "A page of pets.", many=True, headers={"Link": "NextPage"}),
+        openapi.errors(400),
+        parameters=[{"in": "query", "schema": schemas.ListPetsQuery}],
+    )
 
 
-@bp.operation("/pets", "get", list_pets_operation)
+@bp.operation("/pets", "get", "listPets", list_pets_operation)
 def list_pets() -> Response:
     """listPets: one page by id ascending; a Link rel=next when the page is full."""
     query = validate_query(schemas.list_pets_query)
@@ -136,80 +86,36 @@ def list_pets() -> Response:
     return json_response(page["pets"], headers=headers)
 
 
-def create_pet_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def create_pet_operation(config: openapi.Settings) -> openapi.Object:
     """createPet's Operation Object."""
-    return {
-        "operationId": "createPet",
-        "summary": "Add a pet",
-        "description": "Stores a NewPet and answers the Pet with its new `id`. A `status` "
-        "left out stays unstated (it is not defaulted).",
-        "parameters": [idempotency_key_parameter()],
-        "requestBody": {
-            "required": True,
-            "description": "The new pet; `id` and any other unknown field are refused.",
-            "content": {JSON: {"schema": "NewPet"}},
-        },
-        "responses": {
-            "201": {
-                "description": "Created; `Location` is the new pet's path. A repeat with "
-                "the same `Idempotency-Key` replays this first response.",
-                "headers": {
-                    **rate_limit_headers(),
-                    "Location": "Location",
-                    "Idempotent-Replayed": "Idempotent-Replayed",
-                },
-                "content": {JSON: {"schema": "Pet"}},
-                "links": {
-                    "GetPetById": {
-                        "operationId": "getPet",
-                        "parameters": {"petId": "$response.body#/id"},
-                        "description": "The new pet, by its `id`.",
-                    }
-                },
-            },
-            "400": "BadRequest",
-            "403": error_response_object(
-                403,
-                "The API key lacks the `write` scope (a read-only key); "
-                '`WWW-Authenticate` says `error="insufficient_scope", scope="write"`.',
-                ("WWW-Authenticate",),
-            ),
-            "409": error_response_object(
-                409, "The `Idempotency-Key` was used before with a different body."
-            ),
-            "413": error_response_object(
-                413,
-                f"The body is longer than {config['MAX_CONTENT_LENGTH']} bytes.",
-            ),
-            "415": error_response_object(415, "The body is not `application/json`."),
-            **common_responses(),
-        },
-    }
+    new_pet = {"operationId": "getPet", "parameters": {"petId": "$response.body#/id"}}
+    return openapi.operation_object(
+        "Add a pet",
+        "Stores a NewPet and answers the Pet with its new `id`. A `status` left out stays "
+        "unstated (it is not defaulted).",
+        openapi.ok(
+            201,
+            "Pet",
+            "Created; `Location` is the new pet's path. A repeat with the same "
+            "`Idempotency-Key` replays this first response.",
+            headers=("Location", "Idempotent-Replayed"),
+            links={"GetPetById": {**new_pet, "description": "The new pet, by its `id`."}},
+        ),
+        openapi.errors(
+            400,
+            openapi.lacks_scope("write"),
+            (409, "The `Idempotency-Key` was used before with a different body."),
+            (413, f"The body is longer than {config['MAX_CONTENT_LENGTH']} bytes."),
+            (415, "The body is not `application/json`."),
+        ),
+        parameters=[openapi.idempotency_key("pet")],
+        request_body=openapi.json_body(
+            "NewPet", "The new pet; `id` and any other unknown field are refused."
+        ),
+    )
 
 
-def idempotency_key_parameter() -> dict[str, Any]:
-    """The optional Idempotency-Key header of createPet (Stripe's semantics)."""
-    return {
-        "name": "Idempotency-Key",
-        "in": "header",
-        "required": False,
-        "description": "Makes a retried POST safe: the first response for a key (and API key) is "
-        "stored for 24 hours and replayed, with `Idempotent-Replayed: true`, to every repeat with "
-        "the same body, instead of creating a second pet. A repeat sent while the first request "
-        "is still running waits for it and gets the replay. The same key with a different body "
-        "answers 409 `idempotency_key_reused`. 1 to 255 printable ASCII characters (a UUID "
-        "fits); a malformed key answers 400.",
-        "schema": {
-            "type": "string",
-            "minLength": 1,
-            "maxLength": 255,
-            "pattern": "^[\\x21-\\x7e]([\\x20-\\x7e]*[\\x21-\\x7e])?$",
-            "example": "5f0c8a52-4a3b-4d39-9d2b-1c1f0e6b7a10",
-        },
-    }
-
-
-@bp.operation("/pets", "post", create_pet_operation)
+@bp.operation("/pets", "post", "createPet", create_pet_operation)
 @needs_scope("write")
 def create_pet() -> Response:
     """createPet: store a NewPet, answer 201 with the Pet and its Location; Idempotency-Key aware."""
@@ -235,53 +141,41 @@ def create_pet() -> Response:
         return idempotency.once(conn, current_caller().key_id, key, new_pet, store)
 
 
-def get_pet_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def get_pet_operation(config: openapi.Settings) -> openapi.Object:
     """getPet's Operation Object: deprecated, with its sunset from the settings."""
     sunset = http_date(config["SUNSET"])
-    sunset_day = time.strftime("%Y-%m-%d", time.gmtime(config["SUNSET"]))
-    return {
-        "operationId": "getPet",
-        "summary": "Get a pet (deprecated)",
-        "description": f"Deprecated: removed at its sunset, {sunset}; from then on it "
-        "answers 410. Use `GET /pets` with the `status` filter instead. Every answer "
-        "of the operation itself carries `Deprecation`, `Sunset` and a `Link` to it.",
-        "deprecated": True,
-        "x-sunset": sunset_day,
-        "parameters": [
-            {
-                "name": "petId",
-                "in": "path",
-                "required": True,
-                "description": "Identifier of the pet. One that is not an int64 is a pet "
-                "that does not exist (404).",
-                "schema": {"type": "integer", "format": "int64"},
-            }
-        ],
-        "responses": {
-            "200": {
-                "description": "The pet.",
-                "headers": {**rate_limit_headers(), **deprecation_headers()},
-                "content": {JSON: {"schema": "Pet"}},
-            },
-            "404": deprecated_error(404, "No pet has this id."),
-            "410": deprecated_error(410, f"The operation was removed at its sunset ({sunset})."),
-            **common_responses(),
-        },
-    }
+    pet_id = openapi.path_parameter(
+        "petId",
+        "Identifier of the pet. One that is not an int64 is a pet that does not exist (404).",
+        {"type": "integer", "format": "int64"},
+    )
+    return openapi.operation_object(
+        "Get a pet (deprecated)",
+        f"Deprecated: removed at its sunset, {sunset}; from then on it answers 410. Use "
+        "`GET /pets` with the `status` filter instead. Every answer of the operation itself "
+        "carries `Deprecation`, `Sunset` and a `Link` to it.",
+        openapi.ok(200, "Pet", "The pet.", headers=openapi.DEPRECATION),
+        openapi.errors(
+            (404, "No pet has this id."),
+            (410, f"The operation was removed at its sunset ({sunset})."),
+            headers=openapi.DEPRECATION,
+        ),
+        parameters=[pet_id],
+        sunset=config["SUNSET"],
+    )
 
 
 @functools.lru_cache(maxsize=8)
 def deprecation_fields(deprecated_at: int, sunset: int) -> tuple[tuple[str, str], ...]:
-    """getPet's Deprecation, Sunset and Link fields, made once per pair of settings (formatting
-    the date took 4 µs of every request)."""
+    """getPet's Deprecation, Sunset and Link fields, made once: formatting took 4 µs a request."""
     return (
         ("Deprecation", f"@{deprecated_at}"),
         ("Sunset", http_date(sunset)),
-        ("Link", f'<{API_PREFIX}/pets>; rel="successor-version"'),
+        ("Link", SUCCESSOR),
     )
 
 
-@bp.operation("/pets/<pet_id>", "get", get_pet_operation)
+@bp.operation("/pets/<pet_id>", "get", "getPet", get_pet_operation)
 def get_pet(pet_id: str) -> Response:
     """getPet (deprecated): one pet, with Deprecation, Sunset and a Link to its successor."""
     config = current_app.config
@@ -294,7 +188,7 @@ def get_pet(pet_id: str) -> Response:
             headers=headers,
         )
     # Not an int64: no such pet (404), the same answer as for an id that does not exist.
-    if not PET_ID.fullmatch(pet_id) or int(pet_id) > schemas.INT64_MAX:
+    if not schemas.DIGITS.fullmatch(pet_id) or int(pet_id) > schemas.INT64_MAX:
         raise APIError(404, "No pet with this id.", headers=headers)
     pet = read_on_standby_if_any(pet_sql.find_pet, int(pet_id))
     if pet is None and current_app.config.get("READ_DATABASE_URL"):

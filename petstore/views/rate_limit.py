@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from flask import Response
 
-from petstore import schemas
+from petstore import openapi, schemas
 from petstore.auth import current_caller, uncounted
-from petstore.openapi import JSON, Resource, common_responses, rate_limit_headers
 from petstore.ratelimit import budgets
 from petstore.web import json_response
 
-bp = Resource(
+bp = openapi.Resource(
     "rate_limit",
     __name__,
     tag="rate limits",
@@ -22,28 +18,23 @@ bp = Resource(
 )
 
 
-def get_rate_limit_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def get_rate_limit_operation(config: openapi.Settings) -> openapi.Object:
     """getRateLimit's Operation Object."""
-    return {
-        "operationId": "getRateLimit",
-        "summary": "The caller's own rate limits, ban and strikes",
-        "description": "Spends no budget and counts no strike, and answers 200 also "
-        "while the key is throttled or banned, so a client can learn when to come back. "
-        "Without a valid key it is a 401 like any other operation, counted against the "
-        "client's address.",
-        "responses": {
-            "200": {
-                "description": "The key's standing; X-RateLimit-* show the limit nearest "
-                "to running out.",
-                "headers": rate_limit_headers(),
-                "content": {JSON: {"schema": "RateLimit"}},
-            },
-            **common_responses(),
-        },
-    }
+    return openapi.operation_object(
+        "The caller's own rate limits, ban and strikes",
+        "Spends no budget and counts no strike, and answers 200 also while the key is "
+        "throttled or banned, so a client can learn when to come back. Without a valid key it "
+        "is a 401 like any other operation, counted against the client's address.",
+        openapi.ok(
+            200,
+            "RateLimit",
+            "The key's standing; X-RateLimit-* show the limit nearest to running out.",
+        ),
+        openapi.errors(),
+    )
 
 
-@bp.operation("/rate_limit", "get", get_rate_limit_operation)
+@bp.operation("/rate_limit", "get", "getRateLimit", get_rate_limit_operation)
 @uncounted
 def get_rate_limit() -> Response:
     """getRateLimit: plan, limits, ban and strikes of the key; 200 also while throttled or banned."""

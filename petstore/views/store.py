@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from flask import Response
 
+from petstore import openapi
 from petstore.errors import APIError
-from petstore.openapi import Resource, common_responses, error_response_object
 
-bp = Resource(
+bp = openapi.Resource(
     "store",
     __name__,
     tag="store",
@@ -18,24 +15,18 @@ bp = Resource(
 )
 
 
-def list_orders_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def list_orders_operation(config: openapi.Settings) -> openapi.Object:
     """listOrders' Operation Object: why it answers 501."""
-    return {
-        "operationId": "listOrders",
-        "summary": "List store orders (not implemented)",
-        "description": "The specification names this operation but shows none of its "
-        "parameters or payloads, nor the fields of an order. Rather than invent them, "
-        "the service answers 501 to every authorized call.",
-        "responses": {
-            "501": error_response_object(
-                501, "Store orders are not specified, so they are not implemented."
-            ),
-            **common_responses(),
-        },
-    }
+    return openapi.operation_object(
+        "List store orders (not implemented)",
+        "The specification names this operation but shows none of its parameters or "
+        "payloads, nor the fields of an order. Rather than invent them, the service answers "
+        "501 to every authorized call.",
+        openapi.errors((501, "Store orders are not specified, so they are not implemented.")),
+    )
 
 
-@bp.operation("/store/orders", "get", list_orders_operation)
+@bp.operation("/store/orders", "get", "listOrders", list_orders_operation)
 def list_orders() -> Response:
     """The spec names this operation but shows no parameters or payloads: 501."""
     raise APIError(

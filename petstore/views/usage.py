@@ -8,21 +8,14 @@ from typing import Any
 
 from flask import Response
 
-from petstore import schemas, usage
+from petstore import openapi, schemas, usage
 from petstore.auth import current_caller
 from petstore.db import get_conn
 from petstore.errors import APIError
-from petstore.openapi import (
-    JSON,
-    Resource,
-    common_responses,
-    error_response_object,
-    rate_limit_headers,
-)
 from petstore.queries import usage as usage_sql
 from petstore.web import json_response, validate_query
 
-bp = Resource(
+bp = openapi.Resource(
     "usage",
     __name__,
     tag="usage",
@@ -34,33 +27,19 @@ bp = Resource(
 LONGEST = {"day": 90, "hour": 7}
 
 
-def get_usage_operation(config: Mapping[str, Any]) -> dict[str, Any]:
+def get_usage_operation(config: openapi.Settings) -> openapi.Object:
     """getUsage's Operation Object."""
-    return {
-        "operationId": "getUsage",
-        "summary": "The calling key's own requests per UTC day or hour, by outcome",
-        "description": "Counts of the calling key only, never another key's; the `read` scope "
-        "is enough. `from` and `to` are UTC dates, both included, today by default; at most "
+    return openapi.operation_object(
+        "The calling key's own requests per UTC day or hour, by outcome",
+        "Counts of the calling key only, never another key's; the `read` scope is enough. "
+        "`from` and `to` are UTC dates, both included, today by default; at most "
         f"{LONGEST['day']} days of days or {LONGEST['hour']} days of hours. One bucket per "
         "period that has requests, oldest first. A request is in its bucket within 10 seconds "
         "of its answer. Counted and rate-limited like any other request.",
-        "parameters": [{"in": "query", "schema": schemas.UsageQuery}],
-        "responses": {
-            "200": {
-                "description": "The key's requests per period.",
-                "headers": rate_limit_headers(),
-                "content": {JSON: {"schema": "Usage"}},
-            },
-            "400": "BadRequest",
-            "403": error_response_object(
-                403,
-                "The API key lacks the `read` scope (a write-only key); "
-                '`WWW-Authenticate` says `error="insufficient_scope", scope="read"`.',
-                ("WWW-Authenticate",),
-            ),
-            **common_responses(),
-        },
-    }
+        openapi.ok(200, "Usage", "The key's requests per period."),
+        openapi.errors(400, openapi.lacks_scope("read")),
+        parameters=[{"in": "query", "schema": schemas.UsageQuery}],
+    )
 
 
 def requested_range(query: Mapping[str, Any], today: date) -> tuple[date, date]:
@@ -93,7 +72,7 @@ def bucket(row: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-@bp.operation("/usage", "get", get_usage_operation)
+@bp.operation("/usage", "get", "getUsage", get_usage_operation)
 def get_usage() -> Response:
     """getUsage: the caller's requests per day or hour between two UTC dates."""
     query = validate_query(schemas.usage_query)

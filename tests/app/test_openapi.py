@@ -423,9 +423,9 @@ def test_a_resource_routes_and_describes_each_operation_with_its_tag_and_compone
     )
 
     def get_thing_operation(config: Any) -> dict[str, Any]:
-        return {"operationId": "getThing", "responses": {"200": {"description": "A thing."}}}
+        return {"responses": {"200": {"description": "A thing."}}}
 
-    @bp.operation("/things/<thing_id>", "get", get_thing_operation)
+    @bp.operation("/things/<thing_id>", "get", "getThing", get_thing_operation)
     def get_thing(thing_id: str) -> str:
         return thing_id
 
@@ -433,7 +433,7 @@ def test_a_resource_routes_and_describes_each_operation_with_its_tag_and_compone
     app.register_blueprint(bp, url_prefix="/v1")
     assert app.test_client().get("/v1/things/7").get_data(as_text=True) == "7"
     assert app.test_client().post("/v1/things/7").status_code == 405
-    assert openapi.operation_ids(app.config, [bp]) == {"things.get_thing": "getThing"}
+    assert openapi.operation_ids([bp]) == {"things.get_thing": "getThing"}
     document = openapi.build_document({}, [bp])
     assert document["tags"] == [{"name": "things", "description": "Things of a test."}]
     assert document["paths"] == {
