@@ -57,8 +57,8 @@ admin() {
     fi
 }
 
-# release-start: the release of docs/upgrading.rst, with the variables above ($release, $home,
-# $pid_file, $log, $bind, $user, $python, $manager).
+# release-start: the steps of a release (docs/upgrading.rst runs them too), with the variables
+# above: home, release, previous, python, env_file, state, user, bind, pid_file, log, manager.
 
 as_user() {
     setpriv --reuid="$user" --regid="$user" --init-groups "$@"
@@ -89,29 +89,40 @@ within() {
     done
 }
 
+# unchangeable PATH...: the user may write none of them (they are code it runs).
+unchangeable() {
+    local path
+    for path in "$@"; do
+        if as_user test -w "$path"; then
+            refuse "$user may write $path, the code: make root own it"
+        fi
+    done
+}
+
 # build: the release's venv with this checkout's wheel and its pinned dependencies, and gunicorn's
-# settings; the user may run its Python, and change nothing of it.
+# settings; the user may run its Python and read it, and change nothing of it.
 build() {
     umask 022
     mkdir -p "$home/releases"
+    unchangeable "$home" "$home/releases"
     "$python" -m venv "$release/venv"
     if ! as_user "$release/venv/bin/python" -c pass; then
-        refuse "$user cannot run $release/venv/bin/python ($(realpath "$release/venv/bin/python")): make a venv with a Python it may run (PETSTORE_PYTHON)"
+        refuse "$user cannot run $release/venv/bin/python ($(realpath "$release/venv/bin/python")): make the venvs with a Python it may run (PETSTORE_PYTHON)"
     fi
     # A build/ of an earlier build would bring files this checkout no longer has into the wheel.
     rm -rf build ./*.egg-info
     "$release/venv/bin/pip" install --quiet --disable-pip-version-check .
     rm -rf build ./*.egg-info
     cp deploy/gunicorn.conf.py "$release/gunicorn.conf.py"
-    for path in "$home" "$home/releases" "$release" "$release/venv" "$release/venv/bin"; do
-        if as_user test -w "$path"; then
-            refuse "$user may write $path, the code: make root own it"
-        fi
-    done
+    unchangeable "$release" "$release/venv" "$release/venv/bin"
     if ! as_user test -r "$release/gunicorn.conf.py" -a -w "$state"; then
         refuse "$user cannot read $release or write $state: open their parents"
     fi
-    version=$("$release/venv/bin/python" -c 'from importlib.metadata import version; print(version("petstore"))')
+}
+
+# version_of RELEASE: the version of the code RELEASE holds, which its /healthz answers.
+version_of() {
+    "$1/venv/bin/python" -c 'from importlib.metadata import version; print(version("petstore"))'
 }
 
 # logged: what gunicorn logged since the release or start began (its log, or the journal).
@@ -154,12 +165,23 @@ settled() {
     fi
 }
 
+# launch: gunicorn on current, in the background as $user, with the environment file's settings
+# and nothing else (as systemd's EnvironmentFile); a release's new master reads the file again.
+launch() {
+    (cd "$state" && setsid setpriv --reuid="$user" --regid="$user" --init-groups \
+        env -i PATH=/usr/local/bin:/usr/bin:/bin PETSTORE_ENV_FILE="$env_file" \
+        bash -c 'set -a && . "$PETSTORE_ENV_FILE" && set +a && exec "$@"' gunicorn \
+        "$home/current/venv/bin/gunicorn" --config "$home/current/gunicorn.conf.py" \
+        --pid "$pid_file" wsgi:app </dev/null >>"$log" 2>&1 &)
+}
+
 # release: current -> $release, USR2 (a new master in the release's venv beside the old one, on
 # the same socket), and TERM to the old master once the new one serves; else current back to
 # $previous, the new master stopped, the old one serving on, and the reason on stderr.
 release() {
     local old
     old=$(cat "$pid_file")
+    version=$(version_of "$release")
     new=""
     outcome="no new master serving within 60 s"
     mark_log
@@ -272,6 +294,7 @@ echo "KEY=$KEY"
 
 # start: gunicorn on current, as $user, with exactly the environment file's settings.
 start() {
+    version=$(version_of "$release")
     mark_log
     point "$home/current" "$release"
     if [ "$manager" = systemd ]; then
@@ -282,11 +305,7 @@ start() {
         systemctl daemon-reload
         systemctl enable --now petstore.service
     else
-        (cd "$state" && setsid setpriv --reuid="$user" --regid="$user" --init-groups \
-            env -i PATH=/usr/local/bin:/usr/bin:/bin PETSTORE_ENV_FILE="$env_file" \
-            bash -c 'set -a && . "$PETSTORE_ENV_FILE" && set +a && exec "$@"' gunicorn \
-            "$home/current/venv/bin/gunicorn" --config "$home/current/gunicorn.conf.py" \
-            --pid "$pid_file" wsgi:app </dev/null >>"$log" 2>&1 &)
+        launch
     fi
     if ! within 60 serving "$pid_file"; then
         [ -z "$previous" ] || point "$home/current" "$previous"

@@ -67,30 +67,12 @@ def read_pid(path: Path) -> int | None:
         return None
 
 
-def versions(url: str) -> set[str]:
-    """The versions that a few /healthz answer with (both masters share the socket)."""
-    found = set()
-    for _ in range(8):
-        try:
-            answer = call(url, "GET", "/healthz", timeout=5)
-        except OSError:
-            continue
-        if answer.status == 200:
-            found.add(answer.body["version"])
-    return found
-
-
 def wait_for(condition: Callable[[], bool], within: float, what: str) -> None:
     """Poll `condition` until it holds; fail naming `what` after `within` seconds."""
     deadline = time.monotonic() + within
     while not condition():
         assert time.monotonic() < deadline, f"not within {within} s: {what}"
         time.sleep(0.1)
-
-
-def p99(answers: list[Answer]) -> float:
-    times = sorted(answer.elapsed for answer in answers)
-    return times[int(len(times) * 0.99)]
 
 
 @contextmanager
@@ -101,38 +83,6 @@ def keyed_database(database_url: str, label: str) -> Iterator[tuple[str, str]]:
             migrations.upgrade(conn)
             key, _row = keys.issue_key(conn, "enterprise", label, 1_000_000, 10_000_000)
         yield database, key
-
-
-@contextmanager
-def under_load(url: str, key: str, label: str) -> Iterator[MixedLoad]:
-    """A mixed load of 8 clients on `url` through the with block, from 2 s before it to 2 s after."""
-    with MixedLoad(url, key, label, clients=8).running() as load:
-        time.sleep(2)
-        yield load
-        time.sleep(2)
-
-
-def assert_nothing_refused(
-    load: MixedLoad, database: str, release: tuple[float, float], after: set[str], what: str
-) -> None:
-    """Print what the release (its start and end) cost; assert only 200s and 201s, no failure
-    and no create given up, NEW_VERSION answering after it, every 201 a row, and a load during it."""
-    started, finished = release
-    statuses = {answer.status for answer in load.answers}
-    during = [a for a in load.answers if started <= a.started <= finished]
-    print(
-        f"\n{what} took {finished - started:.1f} s; {len(load.answers)} answers, "
-        f"{len(during)} during it, p99 during {p99(during) * 1000:.1f} ms, "
-        f"statuses {sorted(statuses)}, {len(load.created)} created"
-    )
-
-    assert load.failures == []
-    assert statuses <= {200, 201}, sorted(statuses)
-    assert load.abandoned == []
-    assert after == {NEW_VERSION}
-    rows = load.rows(lambda: db.connect(config.from_environ({"DATABASE_URL": database})))
-    assert sum(rows.values()) == len(load.created) and set(rows.values()) == {1}
-    assert len(during) > 50
 
 
 def test_usr2_replaces_the_running_version_without_a_refused_request(
