@@ -168,11 +168,11 @@ settled() {
 # launch: gunicorn on current, in the background as $user, with the environment file's settings
 # and nothing else (as systemd's EnvironmentFile); a release's new master reads the file again.
 launch() {
-    (cd "$state" && setsid setpriv --reuid="$user" --regid="$user" --init-groups \
+    (cd "$state" && exec setsid setpriv --reuid="$user" --regid="$user" --init-groups \
         env -i PATH=/usr/local/bin:/usr/bin:/bin PETSTORE_ENV_FILE="$env_file" \
         bash -c 'set -a && . "$PETSTORE_ENV_FILE" && set +a && exec "$@"' gunicorn \
         "$home/current/venv/bin/gunicorn" --config "$home/current/gunicorn.conf.py" \
-        --pid "$pid_file" wsgi:app </dev/null >>"$log" 2>&1 &)
+        --pid "$pid_file" wsgi:app) </dev/null >>"$log" 2>&1 &
 }
 
 # release: current -> $release, USR2 (a new master in the release's venv beside the old one, on

@@ -27,7 +27,7 @@ from psycopg import conninfo, sql
 
 from petstore import config, db, keys
 from tests.support.checks import call
-from tests.support.load import assert_nothing_refused, under_load
+from tests.support.load import MixedLoad, assert_nothing_refused, under_load
 from tests.support.nginx import Nginx, nginx_binary
 from tests.support.releases import (
     INSTALL_SCRIPT,
@@ -88,6 +88,37 @@ def run_script(environ: dict[str, str], checkout: Path) -> subprocess.CompletedP
         text=True,
         timeout=300,
     )
+
+
+def run_script_under_load(
+    environ: dict[str, str], checkout: Path, url: str, key: str, label: str
+) -> tuple[subprocess.CompletedProcess[str], MixedLoad, tuple[float, float]]:
+    """install.sh, with a mixed load on `url` from its step 3 (once the release is built: nothing
+    before touches the service, and a build under load takes four times as long) to its end;
+    what it printed, the load, and when the load's window began and ended."""
+    out, err = checkout.parent / f"{label}.out", checkout.parent / f"{label}.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        process = subprocess.Popen(
+            ["bash", str(checkout / "deploy" / "install.sh")],
+            cwd=checkout.parent,
+            env=environ,
+            stdout=stdout,
+            stderr=stderr,
+        )
+    try:
+        poll_until(lambda: "== 3." in out.read_text() or process.poll() is not None, bool, 300)
+        with under_load(url, key, label) as load:
+            began = time.monotonic()
+            process.wait(timeout=300)
+            window = (began, time.monotonic())
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    done = subprocess.CompletedProcess(
+        process.args, process.returncode, out.read_text(), err.read_text()
+    )
+    return done, load, window
 
 
 def process_user(pid: int) -> str:
@@ -156,6 +187,7 @@ def test_install_script_releases_again_and_again_without_refusing_a_request(
         first_release = (home / "current").resolve()
         first_env = (workdir / "petstore.env").read_text()
         first_users = [process_user(pid) for pid in (first_pid, *workers_of(first_pid))]
+        first_interpreter = interpreter_of(first_pid)
         settings = dict(line.split("=", 1) for line in first_env.splitlines())
 
         def connect() -> db.Connection:
@@ -166,39 +198,34 @@ def test_install_script_releases_again_and_again_without_refusing_a_request(
 
         # 1. Again on the same checkout, with another setting (as docs/deploying.rst suggests
         # for Redis; not Redis itself here), under load: a new master, the new setting.
-        with under_load(url, load_key, "same") as load:
-            began = time.monotonic()
-            again = run_script({**environ, "PETSTORE_PROXY_COUNT": "2"}, checkout)
-            same = (began, time.monotonic())
+        again, load, same = run_script_under_load(
+            {**environ, "PETSTORE_PROXY_COUNT": "2"}, checkout, url, load_key, "same"
+        )
         assert again.returncode == 0, again.stdout + again.stderr
         assert_nothing_refused(load, connect, same, "install.sh again on the same checkout")
         second_pid = master()
         second_release = (home / "current").resolve()
         second_users = [process_user(pid) for pid in (second_pid, *workers_of(second_pid))]
         second_environ = environ_of(second_pid)
+        second_interpreter = interpreter_of(second_pid)
 
         # 2. "git pull": the checkout brings a migration the code needs, under load.
         (checkout / "sql" / "0999_release_note.sql").write_text(
             "alter table pets add column if not exists release_note text;\n"
         )
-        with under_load(url, load_key, "pulled") as load:
-            began = time.monotonic()
-            pulled = run_script(environ, checkout)
-            migrated = (began, time.monotonic())
+        pulled, load, migrated = run_script_under_load(environ, checkout, url, load_key, "pulled")
         assert pulled.returncode == 0, pulled.stdout + pulled.stderr
         assert_nothing_refused(load, connect, migrated, "install.sh after a pull with a migration")
         third_pid = master()
         third_release = (home / "current").resolve()
         ready = call(url, "GET", "/readyz", timeout=10)
+        third_interpreter = interpreter_of(third_pid)
 
         # 3. A release that cannot start (its app fails to load), under load: refused, the one
         # before serves on.
         wsgi = checkout / "wsgi.py"
         wsgi.write_text(wsgi.read_text() + '\nraise RuntimeError("this release cannot start")\n')
-        with under_load(url, load_key, "broken") as load:
-            began = time.monotonic()
-            broken = run_script(environ, checkout)
-            failed = (began, time.monotonic())
+        broken, load, failed = run_script_under_load(environ, checkout, url, load_key, "broken")
         assert_nothing_refused(load, connect, failed, "install.sh with a release that cannot start")
 
         # 4. A Python the service user cannot run (under a directory only root may enter).
@@ -221,7 +248,7 @@ def test_install_script_releases_again_and_again_without_refusing_a_request(
     )
     # The release: its own venv, which the master runs, as the service user, never as root.
     assert first_release.parent == home / "releases"
-    assert interpreter_of(first_pid) == str(first_release / "venv" / "bin" / "python")
+    assert first_interpreter == str(first_release / "venv" / "bin" / "python")
     assert first_users == [service_user, service_user]
     assert (state.stat().st_uid, stat.S_IMODE(state.stat().st_mode)) == (
         pwd.getpwnam(service_user).pw_uid,
@@ -249,7 +276,7 @@ def test_install_script_releases_again_and_again_without_refusing_a_request(
     )
     assert re.search(r"^HTTP/1\.1 200 OK\r?$", again.stdout, re.MULTILINE), again.stdout
     assert second_release != first_release
-    assert interpreter_of(second_pid) == str(second_release / "venv" / "bin" / "python")
+    assert second_interpreter == str(second_release / "venv" / "bin" / "python")
     assert second_pid != first_pid and not alive(first_pid)
     assert second_environ["PETSTORE_PROXY_COUNT"] == "2"
     assert second_users == [service_user, service_user]
@@ -278,7 +305,7 @@ def test_install_script_releases_again_and_again_without_refusing_a_request(
     assert "applied: 0999_release_note.sql" in pulled.stdout
     assert note == (1,)
     assert ready.status == 200 and ready.body["schema"] == "0999_release_note"
-    assert interpreter_of(third_pid) == str(third_release / "venv" / "bin" / "python")
+    assert third_interpreter == str(third_release / "venv" / "bin" / "python")
     assert sorted((home / "releases").iterdir()) == sorted([second_release, third_release])
 
     # 3. Refused in one line of why, the release removed, current and the master as they were.
