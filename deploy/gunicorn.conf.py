@@ -213,7 +213,7 @@ def pre_exec(server: Any) -> None:
     gunicorn re-execs sys.executable with sys.argv (START_CTX), so a master started as
     /opt/petstore/current/venv/bin/gunicorn would run every later release on the first one's
     interpreter and dependencies, and fail once that release is deleted. The script's folder is
-    resolved now, the python beside it runs the same script path (so that the next USR2 resolves
+    resolved now, the interpreter of the same name beside it runs the same script path (so that the next USR2 resolves
     `current` again), and the environment the new master gets (gunicorn's env_orig, that of
     the first start) is updated from the file.
 
@@ -223,7 +223,9 @@ def pre_exec(server: Any) -> None:
     """
     try:
         script = os.path.join(server.START_CTX["cwd"], server.START_CTX["args"][1])
-        python = os.path.join(os.path.realpath(os.path.dirname(script)), "python")
+        python = os.path.join(
+            os.path.realpath(os.path.dirname(script)), os.path.basename(sys.executable)
+        )
         if os.path.basename(script) == "gunicorn" and os.path.exists(python):
             server.START_CTX[0] = python
             server.START_CTX["args"] = [python, script, *server.START_CTX["args"][2:]]

@@ -205,8 +205,8 @@ release() {
         within 30 eval '! running "$new"' || true
     fi
     echo "the release $release does not serve: $outcome; current is $previous again, and" \
-        "gunicorn (pid $old) serves it on. What was logged since:" >&2
-    logged | tail -n 20 >&2
+        "gunicorn (pid $old) serves it on. What was logged since, but for lines of level info:" >&2
+    logged | grep -v '"level": "info"' | tail -n 20 >&2 || true
     return 1
 }
 
