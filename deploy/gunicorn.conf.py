@@ -195,14 +195,18 @@ def post_worker_init(worker: Any) -> None:
 
 
 def _read_env_file(path: str) -> dict[str, str]:
-    """The NAME=value lines of an environment file (blank lines and # comments skipped)."""
+    """The NAME=value lines of an environment file, a value in quotes unquoted (blank lines and
+    # comments skipped), as systemd's EnvironmentFile and bash read the simple ones."""
     settings = {}
     with open(path, encoding="utf-8") as file:
         for line in file:
             line = line.strip()
             if line and not line.startswith("#") and "=" in line:
                 name, _, value = line.partition("=")
-                settings[name.strip()] = value.strip()
+                value = value.strip()
+                if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+                    value = value[1:-1]
+                settings[name.strip()] = value
     return settings
 
 
@@ -213,9 +217,9 @@ def pre_exec(server: Any) -> None:
     gunicorn re-execs sys.executable with sys.argv (START_CTX), so a master started as
     /opt/petstore/current/venv/bin/gunicorn would run every later release on the first one's
     interpreter and dependencies, and fail once that release is deleted. The script's folder is
-    resolved now, the interpreter of the same name beside it runs the same script path (so that the next USR2 resolves
-    `current` again), and the environment the new master gets (gunicorn's env_orig, that of
-    the first start) is updated from the file.
+    resolved now, and the interpreter of the same name there runs the same script path (so that
+    the next USR2 resolves `current` again); the environment the new master gets (gunicorn's
+    env_orig, that of the first start) is updated from the file.
 
     Whatever fails here ends this child alone (os._exit): an exception would take gunicorn's
     clean-up path in this fork of the master, which stops the serving workers and removes the

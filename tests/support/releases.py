@@ -51,7 +51,7 @@ def copy_checkout(dest: Path) -> Path:
     return dest
 
 
-def depend_on_marker(checkout: Path, marker_version: str, version: str | None = None) -> None:
+def depend_on_marker(checkout: Path, marker_version: str, version: str | None = None) -> Path:
     """The checkout's package requires MARKER==marker_version (and says `version`, when given)."""
     setup_cfg = checkout / "setup.cfg"
     text = setup_cfg.read_text(encoding="utf-8")
@@ -61,6 +61,7 @@ def depend_on_marker(checkout: Path, marker_version: str, version: str | None = 
     if version is not None:
         text = re.sub(r"^version = .*$", f"version = {version}", text, count=1, flags=re.M)
     setup_cfg.write_text(text, encoding="utf-8")
+    return checkout
 
 
 def marker_wheel(directory: Path, version: str) -> Path:
@@ -95,14 +96,15 @@ def build_wheelhouse(directory: Path, checkout: Path) -> dict[str, str]:
     """The wheels a release of `checkout` installs (its dependencies as SYSTEM_PYTHON resolves
     them, setuptools to build it, MARKER 1.0 and 2.0) in `directory`; the environment that makes
     pip install from there alone."""
-    pip = [sys.executable, "-m", "pip", "--python", SYSTEM_PYTHON, "--quiet"]
-    for command in (
-        ["wheel", "--wheel-dir", str(directory), str(checkout)],
-        ["download", "--dest", str(directory), "setuptools>=68,<81"],
-    ):
-        subprocess.run([*pip, *command], capture_output=True, check=True, timeout=600)
     for version in ("1.0", "2.0"):
         marker_wheel(directory, version)
+    pip = [sys.executable, "-m", "pip", "--python", SYSTEM_PYTHON, "--quiet"]
+    for command in (
+        ["wheel", "--wheel-dir", str(directory), "--find-links", str(directory), str(checkout)],
+        ["download", "--dest", str(directory), "setuptools>=68,<81"],
+    ):
+        done = subprocess.run([*pip, *command], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
     return {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(directory)}
 
 
