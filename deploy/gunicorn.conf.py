@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import glob
+import logging
 import multiprocessing
 import os
 import shutil
@@ -195,16 +196,68 @@ def child_exit(server: Any, worker: Any) -> None:
 
 
 def post_worker_init(worker: Any) -> None:
-    """Under systemd, a master that USR2 started becomes the unit's main process once one of
-    its workers has loaded the app (deploy/petstore.service, NotifyAccess=all).
+    """A worker has loaded the app: said in the log, where a release waits for it
+    (deploy/install.sh), and, under systemd, to systemd.
 
-    gunicorn's own READY=1 names no pid, and systemd stops the whole unit when the process it
-    knows as the main one exits: without this, the old master's TERM of the release would take
-    the new one with it. Not earlier: a new release whose workers cannot load the app leaves
-    the old master the main process, serving. Without NOTIFY_SOCKET, sd_notify does nothing.
+    A worker still booting, or failing to, must not replace a serving one. Under systemd a master
+    that USR2 started becomes the unit's main process now (deploy/petstore.service,
+    NotifyAccess=all): gunicorn's own READY=1 names no pid, and systemd stops the whole unit when
+    the process it knows as the main one exits, so without this the old master's TERM would take
+    the new one with it. Not earlier: a new release whose workers cannot load the app leaves the
+    old master the main process, serving. Without NOTIFY_SOCKET, sd_notify does nothing.
     """
+    worker.log.info("Worker booted (pid: %s)", worker.pid)
     # Set in the master that USR2 started until its parent, the old master, is gone.
     if os.environ.get("GUNICORN_PID"):
         from gunicorn import systemd
 
         systemd.sd_notify(f"MAINPID={worker.ppid}", worker.log)
+
+
+def _read_env_file(path: str) -> dict[str, str]:
+    """The NAME=value lines of an environment file, a value in quotes unquoted (blank lines and
+    # comments skipped), as systemd's EnvironmentFile and bash read the simple ones."""
+    settings = {}
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            line = line.strip()
+            if line and not line.startswith("#") and "=" in line:
+                name, _, value = line.partition("=")
+                value = value.strip()
+                if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+                    value = value[1:-1]
+                settings[name.strip()] = value
+    return settings
+
+
+def pre_exec(server: Any) -> None:
+    """USR2, in the child that is about to become the new master: run the release `current`
+    leads to now, in its own venv, with the settings of PETSTORE_ENV_FILE as they are now.
+
+    gunicorn re-execs sys.executable with sys.argv (START_CTX), so a master started as
+    /opt/petstore/current/venv/bin/gunicorn would run every later release on the first one's
+    interpreter and dependencies, and fail once that release is deleted. The script's folder is
+    resolved now, and the interpreter of the same name there runs the same script path (so that
+    the next USR2 resolves `current` again); the environment the new master gets (gunicorn's
+    env_orig, that of the first start) is updated from the file.
+
+    Whatever fails here ends this child alone (os._exit): an exception would take gunicorn's
+    clean-up path in this fork of the master, which stops the serving workers and removes the
+    master's pid file.
+    """
+    try:
+        script = os.path.join(server.START_CTX["cwd"], server.START_CTX["args"][1])
+        python = os.path.join(
+            os.path.realpath(os.path.dirname(script)), os.path.basename(sys.executable)
+        )
+        if os.path.basename(script) == "gunicorn" and os.path.exists(python):
+            server.START_CTX[0] = python
+            server.START_CTX["args"] = [python, script, *server.START_CTX["args"][2:]]
+        if not os.access(server.START_CTX[0], os.X_OK):
+            raise OSError(f"{server.START_CTX[0]} is not an interpreter this user may run")
+        if os.environ.get("PETSTORE_ENV_FILE"):
+            server.cfg.env_orig.update(_read_env_file(os.environ["PETSTORE_ENV_FILE"]))
+    except Exception as exc:
+        server.log.error("USR2 refused, the running master serves on: %s", exc)
+        logging.shutdown()
+        os._exit(1)

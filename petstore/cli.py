@@ -7,6 +7,7 @@ import contextlib
 import csv
 import io
 import json
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -433,13 +434,14 @@ def serve(bind: str, var_dir: Path) -> None:
     Refuses, in one line and before touching anything, a bad setting, another `make run` of this
     checkout, and an address another program listens on (petstore/devserver.py).
     """
+    given = bool(os.environ.get("DATABASE_URL"))
     with devserver.serving(bind, var_dir):
         settings = load_settings()
         kept_in = var_dir.resolve() / devserver.DEV_KEY_FILE
         with database(settings) as conn:
             migrations.upgrade(conn, migrations.Limits.from_settings(settings))
             key, key_id, kept = devserver.development_key(conn, kept_in)
-        devserver.print_welcome(settings["DATABASE_URL"], bind, key, key_id, kept, kept_in)
+        devserver.print_welcome(settings["DATABASE_URL"], given, bind, key, key_id, kept, kept_in)
         sys.stdout.flush()
         sys.exit(devserver.run_gunicorn(bind))
 

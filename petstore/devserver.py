@@ -233,9 +233,13 @@ def development_key(conn: db.Connection, path: Path) -> tuple[str, int, bool]:
 
 
 def print_welcome(
-    database_url: str, bind: str, key: str, key_id: int, kept: bool, kept_in: Path
+    database_url: str, given: bool, bind: str, key: str, key_id: int, kept: bool, kept_in: Path
 ) -> None:
-    """What make run prints before gunicorn starts: the database, the key, lines to paste."""
+    """What make run prints before gunicorn starts: the database, the key, lines to paste.
+
+    The CLI line names the database when `given` (DATABASE_URL was set): without it the CLI
+    would read var/database-url, which only the embedded database writes (a stale one, maybe).
+    """
     # Never the password: the line is shown, pasted and kept in terminals' scrollback.
     click.echo(f"database: {config.without_password(database_url)}")
     if kept:
@@ -248,5 +252,6 @@ def print_welcome(
     click.echo("try, in another terminal:")
     click.echo(f"  KEY={key}")
     click.echo(f'  curl -H "Authorization: Bearer $KEY" http://{bind}/v1/pets')
-    click.echo(f"  cd {Path.cwd()} && .venv/bin/petstore keys list")
+    database = f"DATABASE_URL='{config.without_password(database_url)}' " if given else ""
+    click.echo(f"  cd {Path.cwd()} && {database}.venv/bin/petstore keys list")
     click.echo(f"API docs: http://{bind}/v1/docs")

@@ -466,9 +466,25 @@ def test_a_revoked_development_key_is_replaced(
     assert client.get("/v1/pets", headers={"Authorization": f"Bearer {new}"}).status_code == 200
 
 
-def test_make_runs_database_line_shows_no_password(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("given", "cli_line"),
+    [
+        # DATABASE_URL set: the CLI line names it (else it would read a stale var/database-url).
+        (
+            True,
+            "  cd {cwd} && DATABASE_URL='postgresql://petstore:****@127.0.0.1:5432/petstore' "
+            ".venv/bin/petstore keys list",
+        ),
+        # The embedded database: the CLI finds it in var/database-url.
+        (False, "  cd {cwd} && .venv/bin/petstore keys list"),
+    ],
+)
+def test_make_runs_lines_show_no_password_and_the_cli_line_its_database(
+    given: bool, cli_line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     devserver.print_welcome(
         "postgresql://petstore:s3cret@127.0.0.1:5432/petstore",
+        given,
         "127.0.0.1:8000",
         "ps_x",
         1,
@@ -478,4 +494,5 @@ def test_make_runs_database_line_shows_no_password(capsys: pytest.CaptureFixture
 
     printed = capsys.readouterr().out
     assert printed.splitlines()[0] == "database: postgresql://petstore:****@127.0.0.1:5432/petstore"
+    assert cli_line.format(cwd=Path.cwd()) in printed.splitlines()
     assert "s3cret" not in printed

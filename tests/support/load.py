@@ -141,3 +141,57 @@ class MixedLoad:
                 "select name from pets where name like %s", [f"{self.label}-%"]
             ).fetchall()
         return Counter(row["name"] for row in rows)
+
+
+def versions(url: str) -> set[str]:
+    """The versions that a few /healthz answer with (during a release both masters answer)."""
+    found = set()
+    for _ in range(8):
+        try:
+            answer = call(url, "GET", "/healthz", timeout=5)
+        except OSError:
+            continue
+        if answer.status == 200:
+            found.add(answer.body["version"])
+    return found
+
+
+def p99(answers: list[Answer]) -> float:
+    times = sorted(answer.elapsed for answer in answers)
+    return times[int(len(times) * 0.99)]
+
+
+@contextmanager
+def under_load(url: str, key: str, label: str) -> Iterator[MixedLoad]:
+    """A mixed load of 8 clients on `url` through the with block, from 2 s before it to 2 s after."""
+    with MixedLoad(url, key, label, clients=8).running() as load:
+        time.sleep(2)
+        yield load
+        time.sleep(2)
+
+
+def assert_nothing_refused(
+    load: MixedLoad,
+    connect: Callable[[], db.Connection],
+    release: tuple[float, float],
+    what: str,
+) -> None:
+    """Print what the release (its start and end) cost; assert only 200s and 201s, no failure
+    and no create given up, every 201 a row (read on a connection from `connect`), and a load
+    during it."""
+    started, finished = release
+    statuses = {answer.status for answer in load.answers}
+    during = [a for a in load.answers if started <= a.started <= finished]
+    print(
+        f"\n{what} took {finished - started:.1f} s; {len(load.answers)} answers, "
+        f"{len(during)} during it, p99 during {p99(during) * 1000:.1f} ms, "
+        f"statuses {sorted(statuses)}, {len(load.failures)} refused or unanswered, "
+        f"{len(load.created)} created"
+    )
+
+    assert load.failures == []
+    assert statuses <= {200, 201}, sorted(statuses)
+    assert load.abandoned == []
+    rows = load.rows(connect)
+    assert sum(rows.values()) == len(load.created) and set(rows.values()) == {1}
+    assert len(during) > 50

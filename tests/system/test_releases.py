@@ -1,33 +1,47 @@
-"""A release on one host under a mixed load (issue 28 §2): gunicorn's USR2 re-exec starts the new
-code beside the old on the same listening socket, then TERM stops the old master gracefully.
-No answer other than 200 or 201, no connection error, every 201 a row.
+"""Releases under a mixed load: on one host, docs/upgrading.rst's steps (deploy/install.sh's own),
+each release in a venv of its own, gunicorn's USR2 starting the new master beside the old on the
+same listening socket; and hosts behind nginx replaced one at a time (issue 28 §2). No answer
+other than 200 or 201, no connection error, every 201 a row.
 
-The host runs the release that the link `current` points at, as deploy/install.sh's checkout
-would be: gunicorn is started with that link as its working directory (PWD), so that its re-exec
-changes into the link again and finds the new release. The new release here is a second
-checkout of this commit that says another version (its own dist-info first on sys.path).
+On one host the two releases differ in a dependency, as real releases do: a made-up package,
+petstore-release-marker, 1.0 in the first and 2.0 in the second, which says its version in the
+log when a master starts in its venv. Behind nginx, the new release is a second checkout of this
+commit that says another version (its own dist-info first on sys.path).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
+from psycopg import conninfo
 
 from petstore import config, db, keys, migrations
-from tests.support.checks import Answer, call
 from tests.support.databases import empty_database
-from tests.support.load import MixedLoad
+from tests.support.load import assert_nothing_refused, under_load, versions
 from tests.support.nginx import DeployedGunicorn, Nginx
-from tests.support.servers import LOOPBACK, ROOT, WORKER_FAILED, alive, free_port
+from tests.support.releases import (
+    SYSTEM_PYTHON,
+    build_wheelhouse,
+    copy_checkout,
+    depend_on_marker,
+    open_directory,
+    stop_masters,
+    system_python,
+    system_user,
+)
+from tests.support.servers import LOOPBACK, ROOT, WORKER_FAILED, free_port
 
+UPGRADING = ROOT / "docs" / "upgrading.rst"
 NEW_VERSION = "1.1.0.post1"
 
 
@@ -67,30 +81,12 @@ def read_pid(path: Path) -> int | None:
         return None
 
 
-def versions(url: str) -> set[str]:
-    """The versions that a few /healthz answer with (both masters share the socket)."""
-    found = set()
-    for _ in range(8):
-        try:
-            answer = call(url, "GET", "/healthz", timeout=5)
-        except OSError:
-            continue
-        if answer.status == 200:
-            found.add(answer.body["version"])
-    return found
-
-
 def wait_for(condition: Callable[[], bool], within: float, what: str) -> None:
     """Poll `condition` until it holds; fail naming `what` after `within` seconds."""
     deadline = time.monotonic() + within
     while not condition():
         assert time.monotonic() < deadline, f"not within {within} s: {what}"
         time.sleep(0.1)
-
-
-def p99(answers: list[Answer]) -> float:
-    times = sorted(answer.elapsed for answer in answers)
-    return times[int(len(times) * 0.99)]
 
 
 @contextmanager
@@ -103,109 +99,173 @@ def keyed_database(database_url: str, label: str) -> Iterator[tuple[str, str]]:
         yield database, key
 
 
-@contextmanager
-def under_load(url: str, key: str, label: str) -> Iterator[MixedLoad]:
-    """A mixed load of 8 clients on `url` through the with block, from 2 s before it to 2 s after."""
-    with MixedLoad(url, key, label, clients=8).running() as load:
-        time.sleep(2)
-        yield load
-        time.sleep(2)
+def guide() -> list[str]:
+    """The bash blocks of docs/upgrading.rst between its release guide's markers, as written."""
+    text = UPGRADING.read_text(encoding="utf-8")
+    part = text[text.index(".. release-guide-start") : text.index(".. release-guide-end")]
+    blocks = []
+    for chunk in part.split(".. code-block:: bash\n\n")[1:]:
+        lines = []
+        for line in chunk.splitlines():
+            if line and not line.startswith(" "):
+                break
+            lines.append(line)
+        blocks.append(textwrap.dedent("\n".join(lines)).strip() + "\n")
+    return blocks
 
 
-def assert_nothing_refused(
-    load: MixedLoad, database: str, release: tuple[float, float], after: set[str], what: str
-) -> None:
-    """Print what the release (its start and end) cost; assert only 200s and 201s, no failure
-    and no create given up, NEW_VERSION answering after it, every 201 a row, and a load during it."""
-    started, finished = release
-    statuses = {answer.status for answer in load.answers}
-    during = [a for a in load.answers if started <= a.started <= finished]
-    print(
-        f"\n{what} took {finished - started:.1f} s; {len(load.answers)} answers, "
-        f"{len(during)} during it, p99 during {p99(during) * 1000:.1f} ms, "
-        f"statuses {sorted(statuses)}, {len(load.created)} created"
+def run_guide(
+    host: dict[str, str], checkout: Path, *steps: str
+) -> subprocess.CompletedProcess[str]:
+    """The guide's settings block, then `steps`, in one bash of the guide's (set -euo pipefail),
+    as root from `checkout`, with the host's settings in the environment."""
+    settings = guide()[0]
+    script = "set -euo pipefail\n" + settings + "".join(steps)
+    return subprocess.run(
+        ["bash", "-c", script],
+        cwd=checkout,
+        env={**os.environ, **host},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
-    assert load.failures == []
-    assert statuses <= {200, 201}, sorted(statuses)
-    assert load.abandoned == []
-    assert after == {NEW_VERSION}
-    rows = load.rows(lambda: db.connect(config.from_environ({"DATABASE_URL": database})))
-    assert sum(rows.values()) == len(load.created) and set(rows.values()) == {1}
-    assert len(during) > 50
+
+def in_release(pid: int) -> set[str]:
+    """The releases (their folders) whose files process `pid` has mapped: its venv's."""
+    found = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        path = line.split(maxsplit=5)[-1]
+        if "/releases/" in path:
+            found.add(path.split("/releases/")[1].split("/")[0])
+    return found
 
 
-def test_usr2_replaces_the_running_version_without_a_refused_request(
-    releases: tuple[Path, Path], database_url: str, tmp_path: Path
+def test_a_release_runs_in_its_own_venv_and_one_that_cannot_start_leaves_the_old_serving(
+    database_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    old, new = releases
-    current = tmp_path / "current"
-    point(current, old)
-    pidfile = tmp_path / "gunicorn.pid"
-    port = free_port()
-    url = f"http://{LOOPBACK}:{port}"
-    with keyed_database(database_url, "release") as (database, key):
-        environ = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("PETSTORE_")},
-            "DATABASE_URL": database,
-            "RATELIMIT_STORAGE_URI": "memory://",
+    if os.geteuid() != 0:
+        pytest.skip("the guide runs as root (gunicorn as a system user)")
+    system_python()
+    with ExitStack() as stack:
+        workdir = stack.enter_context(open_directory("petstore-releases-"))
+        user = stack.enter_context(system_user(f"petstore_r{os.getpid()}"))
+        subprocess.run(["useradd", "--system", "--user-group", user], check=True, timeout=30)
+        database, key = stack.enter_context(keyed_database(database_url, "release"))
+        state, home, env_file = workdir / "state", workdir / "home", workdir / "petstore.env"
+        state.mkdir(mode=0o750)
+        (state / "gunicorn.log").touch()
+        for path in (state, state / "gunicorn.log"):
+            shutil.chown(path, user, user)
+        port = free_port()
+        url = f"http://{LOOPBACK}:{port}"
+        # A URL: the file is read by bash (install.sh's launch) and by gunicorn.conf.py (USR2).
+        parts = conninfo.conninfo_to_dict(database)
+        env_file.write_text(
+            f"DATABASE_URL=postgresql://{parts['user']}@{parts['host']}:{parts['port']}/"
+            f"{parts['dbname']}\nRATELIMIT_STORAGE_URI=memory://\nBIND={LOOPBACK}:{port}\n"
+        )
+        shutil.chown(env_file, "root", user)
+        env_file.chmod(0o640)
+        first = depend_on_marker(copy_checkout(workdir / "first"), "1.0")
+        second = depend_on_marker(copy_checkout(workdir / "second"), "2.0", NEW_VERSION)
+        wheels = build_wheelhouse(tmp_path_factory.mktemp("wheels"), first)
+        host = {
+            **wheels,
+            "PETSTORE_HOME": str(home),
+            "PETSTORE_STATE_DIR": str(state),
+            "PETSTORE_ENV": str(env_file),
+            "PETSTORE_USER": user,
+            "PETSTORE_PYTHON": SYSTEM_PYTHON,
             "BIND": f"{LOOPBACK}:{port}",
-            "PWD": str(current),
-            "PYTHONUNBUFFERED": "1",
         }
-        # A directory of the operator's, which both masters share during the release.
-        environ["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path / "metrics")
-        # The venv's script, as deploy/install.sh runs it: `python -m gunicorn` re-execs as
-        # gunicorn/__main__.py, whose folder first on sys.path hides the standard library's http.
-        command = [str(Path(sys.executable).parent / "gunicorn"), "-c", "deploy/gunicorn.conf.py"]
-        with (tmp_path / "gunicorn.log").open("wb") as log:
-            master = subprocess.Popen(
-                [*command, "--pid", str(pidfile), "wsgi:app"],
-                cwd=current,
-                env=environ,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+        pid_file = state / "gunicorn.pid"
+        stack.callback(stop_masters, pid_file)
+        _, build, release, again = guide()
+
+        def master() -> int:
+            return int(pid_file.read_text())
+
+        # The first release, built, migrated and started as install.sh does.
+        started = run_guide(host, first, build, 'point "$home/current" "$release" && launch\n')
+        assert started.returncode == 0, started.stdout + started.stderr
+        wait_for(lambda: versions(url) == {"1.1.0"}, 60, "the first release answers")
+        first_master, first_release = master(), (home / "current").resolve()
+
+        # The second: built and migrated, then the release under load.
+        built = run_guide(host, second, build, 'echo "$release"\n')
+        assert built.returncode == 0, built.stdout + built.stderr
+        second_release = Path(built.stdout.splitlines()[-1])
+        with under_load(url, key, "release") as load:
+            began = time.monotonic()
+            released = run_guide(host, second, f"release={second_release}\n", release)
+            window = (began, time.monotonic())
+        assert released.returncode == 0, released.stdout + released.stderr
+        second_master = master()
+        after = versions(url)
+        second_mapped = in_release(second_master)
+
+        # The first release deleted, then USR2 again on the second (as after a change of the
+        # environment file): the master's interpreter is the second release's own.
+        shutil.rmtree(first_release)
+        with under_load(url, key, "again") as again_load:
+            began = time.monotonic()
+            renewed = run_guide(host, second, again)
+            again_window = (began, time.monotonic())
+        assert renewed.returncode == 0, renewed.stdout + renewed.stderr
+        third_master = master()
+        third_mapped = in_release(third_master)
+
+        # A release that cannot start (a copy of the second whose app fails to load): refused,
+        # current back to the second, whose master serves on.
+        broken = home / "releases" / "broken"
+        shutil.copytree(second_release, broken, symlinks=True)
+        (wsgi,) = broken.glob("venv/lib/python*/site-packages/wsgi.py")
+        wsgi.write_text(wsgi.read_text() + '\nraise RuntimeError("this release cannot start")\n')
+        with under_load(url, key, "broken") as broken_load:
+            began = time.monotonic()
+            refused = run_guide(
+                host,
+                second,
+                again.replace('release=$(readlink "$home/current")', f"release={broken}", 1),
             )
-        try:
-            wait_for(lambda: versions(url) == {"1.1.0"}, 30, "the old release answers")
-            with under_load(url, key, "release") as load:
-                started = time.monotonic()
-                # The release: the link to the new checkout, USR2, then TERM to the old master
-                # once the new one's workers answer.
-                point(current, new)
-                os.kill(master.pid, signal.SIGUSR2)
-                # gunicorn's new master writes its pid beside the old one's, with ".2"
-                successor = pidfile.with_name(pidfile.name + ".2")
-                wait_for(lambda: read_pid(successor) is not None, 30, "a new master")
-                new_master = read_pid(successor)
-                wait_for(lambda: NEW_VERSION in versions(url), 30, "the new release answers")
-                os.kill(master.pid, signal.SIGTERM)
-                master.wait(timeout=30)
-                # Its parent gone, the new master takes the pid file's name.
-                wait_for(lambda: read_pid(pidfile) == new_master, 10, "the pid file renamed")
-                finished = time.monotonic()
-            after = versions(url)
-            metrics = call(url, "GET", "/metrics", timeout=10)
-        finally:
-            # The first master is this test's child; the one USR2 started is not (init reaps it).
-            masters = [pid for pid in (master.pid, read_pid(pidfile)) if pid is not None]
-            for pid in masters:
-                if alive(pid):
-                    os.kill(pid, signal.SIGTERM)
-            others = [pid for pid in masters if pid != master.pid]
-            wait_for(lambda: not any(alive(pid) for pid in others), 30, "the masters stopped")
-            try:
-                os.killpg(master.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            master.wait(timeout=10)
-        assert_nothing_refused(load, database, (started, finished), after, "release")
+            broken_window = (began, time.monotonic())
+        last_master = master()
+        current = (home / "current").resolve()
+        log = (state / "gunicorn.log").read_text(encoding="utf-8")
+
+        def connect() -> db.Connection:
+            return db.connect(config.from_environ({"DATABASE_URL": database}))
+
+        assert_nothing_refused(load, connect, window, "USR2 from the first release to the second")
+        assert after == {NEW_VERSION}
+        # The new master runs the second release's venv (its mapped files are the second's only)
+        # and its dependency: the marker 2.0, said when that master started.
+        assert second_master != first_master
+        assert second_mapped == {second_release.name}, second_mapped
+        assert f"petstore-release-marker 1.0 (pid {first_master})" in log
+        assert f"petstore-release-marker 2.0 (pid {second_master})" in log
+
+        assert_nothing_refused(
+            again_load, connect, again_window, "USR2 again, the first release deleted"
+        )
+        assert third_master not in (first_master, second_master)
+        assert third_mapped == {second_release.name}, third_mapped
+        assert f"petstore-release-marker 2.0 (pid {third_master})" in log
+
+        assert_nothing_refused(broken_load, connect, broken_window, "a release that cannot start")
+        assert refused.returncode == 1
+        assert (
+            f"the release {broken} does not serve: the new master (pid " in refused.stderr
+            and f"current is {second_release} again, and gunicorn (pid {third_master}) serves it on"
+            in refused.stderr
+        ), refused.stderr
+        assert "this release cannot start" in refused.stderr
+        assert (last_master, current) == (third_master, second_release)
         # As Gunicorn's with block checks for the servers it runs: no worker ended in an
         # exception, leaving what it had accepted unanswered (a stopping gthread worker did).
-        assert WORKER_FAILED not in (tmp_path / "gunicorn.log").read_text(encoding="utf-8")
-        assert metrics.status == 200
-        assert "petstore_http_requests_total" in metrics.raw.decode(), metrics.raw[:300]
+        failed = [line for line in log.splitlines() if WORKER_FAILED in line]
+        assert all("this release cannot start" in line for line in failed), failed
 
 
 class ReleasedGunicorn(DeployedGunicorn):
@@ -278,5 +338,9 @@ def test_hosts_behind_nginx_are_replaced_one_at_a_time_without_a_refused_request
                 finished = time.monotonic()
             after = versions(proxy.url)
         assert_nothing_refused(
-            load, database, (started, finished), after, "rolling release of 2 hosts"
+            load,
+            lambda: db.connect(config.from_environ({"DATABASE_URL": database})),
+            (started, finished),
+            "rolling release of 2 hosts",
         )
+    assert after == {NEW_VERSION}
