@@ -12,6 +12,7 @@ import json
 import os
 import re
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from tests.support import reports
 from tests.support.checks import call
 from tests.support.databases import empty_database
 from tests.support.podman import (
+    IMAGE,
     RUN_FLAGS,
     UID,
     Container,
@@ -187,6 +189,69 @@ def test_the_docs_give_the_flags_the_tests_use() -> None:
     line = f'flags="{" ".join(RUN_FLAGS)}"'
     for page in (ROOT / "README.rst", ROOT / "docs" / "deploying.rst"):
         assert f"    {line}\n" in page.read_text(encoding="utf-8"), page
+
+
+def readme_container_commands() -> list[str]:
+    """The lines of README.rst's "Container" code block, as a reader would paste them."""
+    text = (ROOT / "README.rst").read_text(encoding="utf-8")
+    section = text.split("\nContainer\n---------\n", 1)[1].split("\n.. code-block:: bash\n", 1)[1]
+    block = section.split("\n\n", 2)[1]
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_readme_container_commands_run_as_written(image: str, database_url: str) -> None:
+    """README.rst's commands, pasted into bash with DATABASE_URL exported: `make image` (done by
+    the fixture, which runs it), the migration, then the service on 127.0.0.1:8000 until SIGTERM
+    (podman passes it on to the container, which drains and exits)."""
+    make, flags, upgrade, serve = readme_container_commands()
+    assert make.startswith("make image") and flags.startswith("flags=")
+    # The README runs the image as `localhost/petstore`, the :latest that `make image` tags.
+    tagged = podman("tag", image, f"{IMAGE}:latest")
+    assert tagged.returncode == 0, tagged.stderr
+    with socket.socket() as probe:
+        assert probe.connect_ex((LOOPBACK, 8000)) != 0, "the README's port 8000 is taken"
+    with empty_database(database_url, "_readme_image") as url:
+        environ = {**os.environ, "DATABASE_URL": url}
+        migrated = subprocess.run(
+            ["bash", "-euc", f"{flags}\n{upgrade}"],
+            env=environ,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert migrated.returncode == 0, migrated.stderr
+        assert migrated.stdout.startswith("applied: 0001_pets_and_keys.sql, "), migrated.stdout
+        server = subprocess.Popen(
+            ["bash", "-euc", f"{flags}\nexec {serve}"],
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+        def healthz() -> int | None:
+            """/healthz's status, 0 while nothing listens, None once the command has ended."""
+            if server.poll() is not None:
+                return None
+            try:
+                return call(f"http://{LOOPBACK}:8000", "GET", "/healthz", timeout=5).status
+            except OSError:
+                return 0
+
+        try:
+            status = poll_until(healthz, lambda status: status != 0, within=60, interval=0.25)
+            assert status == 200, status
+            server.terminate()
+            output, _ = server.communicate(timeout=60)
+            assert server.returncode == 0, output
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.communicate(timeout=30)
+            for leftover in podman(
+                "ps", "--all", "--quiet", "--filter", f"ancestor={IMAGE}:latest"
+            ).stdout.split():
+                podman("rm", "--force", "--time", "0", leftover)
 
 
 def test_the_image_migrated_and_made_a_key(deployment: Deployment) -> None:

@@ -445,8 +445,10 @@ def test_the_service_runs_reloads_and_releases_under_the_units_sandbox(
         with db.connect(config.from_environ({"DATABASE_URL": database})) as conn:
             migrations.upgrade(conn)
             key, _row = keys.issue_key(conn, "enterprise", "unit", 1_000_000, 10_000_000)
-        # What deploy/install.sh writes to /etc/petstore.env, with this test's addresses.
-        environment_file = host / "petstore.env"
+        # What deploy/install.sh writes to /etc/petstore.env, with this test's addresses; in the
+        # state directory, where the sandbox sees it (its /etc is the machine's), readable by the
+        # service's user as /etc/petstore.env is by the group petstore.
+        environment_file = host / "state" / "petstore.env"
         environment_file.write_text(
             f"DATABASE_URL={database}\nRATELIMIT_STORAGE_URI={redis_url}\n"
             f"PETSTORE_PROXY_COUNT=1\nBIND={LOOPBACK}:{port}\nWEB_CONCURRENCY=2\n",
@@ -463,6 +465,10 @@ def test_the_service_runs_reloads_and_releases_under_the_units_sandbox(
             **unit.environment(environment_file),
             "NOTIFY_SOCKET": manager.notify.address,
         }
+        # A USR2 release's new master reads the environment file again (pre_exec): the one
+        # EnvironmentFile= names, at its place in the sandbox.
+        assert environ["PETSTORE_ENV_FILE"] == unit.value("EnvironmentFile") == "/etc/petstore.env"
+        environ["PETSTORE_ENV_FILE"] = str(STATE / environment_file.name)
 
         def sandbox(command: list[str], name: str) -> Path:
             return sandbox_of(unit, host, command, environ).write(host / f"{name}.json")
