@@ -195,7 +195,7 @@ def readme_container_commands() -> list[str]:
     """The lines of README.rst's "Container" code block, as a reader would paste them."""
     text = (ROOT / "README.rst").read_text(encoding="utf-8")
     section = text.split("\nContainer\n---------\n", 1)[1].split("\n.. code-block:: bash\n", 1)[1]
-    block = section.split("\n\n", 2)[1]
+    block = section.split("\n\n", 1)[0]
     return [line.strip() for line in block.splitlines() if line.strip()]
 
 
