@@ -100,7 +100,8 @@ bind = _env("BIND", "127.0.0.1:8000").split(",")
 # compares the serving configurations through nginx (the reports in bench/results/): with the
 # key cache a request waits on the database once, so the workers are busy on the CPU, and one per
 # core + 1 answered more than gunicorn's usual 2 per core + 1 in every run, with less CPU per
-# request; gthread workers save nginx its new upstream connections but did not answer more.
+# request; gthread workers save nginx its new upstream connections but did not answer more
+# (bench/results/2026-11-28-churn/configs.md: fewer creates, and no read clearly more).
 # memory:// counts in one process, so it gets one gthread worker with 4 threads.
 _shared_storage = not _env("RATELIMIT_STORAGE_URI", "memory://").startswith("memory://")
 # GUNICORN_WORKER_CLASS: sync (one request at a time per worker) or gthread (threads).
