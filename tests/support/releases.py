@@ -174,3 +174,18 @@ def group_exists(group: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def point(link: Path, target: str | Path) -> None:
+    """Make `link` lead to `target` in one step (a rename), as a release does."""
+    staged = link.with_name(link.name + ".new")
+    staged.symlink_to(target)
+    os.replace(staged, link)
+
+
+def read_pid(path: Path) -> int | None:
+    """The pid a gunicorn pid file holds; None while it is missing or half-written."""
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None

@@ -14,8 +14,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.support.checkouts import copy_checkout
 from tests.support.databases import empty_database
+from tests.support.releases import copy_checkout
 
 ROOT = Path(__file__).resolve().parents[2]
 MIGRATION = re.compile(r"^\d{4}_[a-z0-9_]+\.sql$")

@@ -67,20 +67,6 @@ def releases(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
             git("worktree", "remove", "--force", str(checkout))
 
 
-def point(link: Path, target: Path) -> None:
-    """Make `link` lead to `target` in one step (a rename), as a deploy does."""
-    staged = link.with_name(link.name + ".new")
-    staged.symlink_to(target)
-    os.replace(staged, link)
-
-
-def read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
 def wait_for(condition: Callable[[], bool], within: float, what: str) -> None:
     """Poll `condition` until it holds; fail naming `what` after `within` seconds."""
     deadline = time.monotonic() + within

@@ -35,11 +35,11 @@ from pathlib import Path
 import pytest
 
 from petstore import config, db, keys, migrations
-from tests.support.checkouts import copy_checkout
 from tests.support.checks import call
 from tests.support.databases import empty_database
 from tests.support.load import MixedLoad
 from tests.support.programs import program
+from tests.support.releases import copy_checkout, point, read_pid
 from tests.support.servers import LOOPBACK, ROOT, alive, free_port, log_tail
 from tests.support.systemd import (
     SERVICE_PATH,
@@ -196,20 +196,6 @@ def make_release(home: Path, name: str, venv: Path, version: str | None = None) 
             f"Metadata-Version: 2.1\nName: petstore\nVersion: {version}\n", encoding="utf-8"
         )
     return release
-
-
-def point(link: Path, target: str) -> None:
-    """Make `link` lead to `target` in one step (a rename), as a release does."""
-    staged = link.with_name(link.name + ".new")
-    staged.symlink_to(target)
-    os.replace(staged, link)
-
-
-def read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def status_fields(pid: int) -> dict[str, str]:
