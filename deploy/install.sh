@@ -153,7 +153,10 @@ serving() {
 
 # settled: the new master serves, or it has exited (its pid file goes then) or refused to start.
 settled() {
-    new=${new:-$(cat "$pid_file.2" 2>/dev/null || true)}
+    # Its pid from its pid file, or from its log line "Listening at: ... (pid)": a master whose
+    # workers fail to boot may exit, its pid file gone, before the first look.
+    new=${new:-$(cat "$pid_file.2" 2>/dev/null ||
+        logged | sed -n 's/.*Listening at: .* (\([0-9][0-9]*\)).*/\1/p' | tail -n 1)}
     if serving "$pid_file.2"; then
         outcome=serving
     elif logged | grep "^petstore: " >/dev/null; then
