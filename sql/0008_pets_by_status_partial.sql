@@ -1,4 +1,5 @@
 -- petstore: no transaction
+-- squawk-disable-assume-in-transaction
 -- A filtered page (GET /v1/pets?status=...) walks an index of that status's ids, in id order.
 --
 -- pets_status_id_idx (status, id) served it, but the planner costs its heap visits by the

@@ -202,3 +202,11 @@ def test_statements_split_at_the_semicolons_that_end_them() -> None:
         "create function f() returns text language sql as $$ select 'a;b' $$",
         "/* a comment; still one */ select ';' as \"x;y\"",
     ]
+
+
+def test_squawk_is_told_which_migrations_run_outside_a_transaction() -> None:
+    """`make lint` lints each file as the runner applies it: in a transaction unless squawk is told
+    otherwise in the file (the Makefile's SQUAWK_FLAGS)."""
+    for migration in migrations.migrations():
+        told = "-- squawk-disable-assume-in-transaction" in migration.text.splitlines()
+        assert told is not migration.in_transaction, migration.name
