@@ -10,8 +10,8 @@ exit; what must not be lost at exit is written by an atexit hook instead.
   and gauges every SAMPLE_SECONDS; it ends when its pool is closed or its app is gone, and
   atexit writes the last second (metrics.flush).
 - petstore-usage-flusher (usage.Flusher): writes the worker's usage counts every
-  USAGE_FLUSH_SECONDS; it ends when its pool is closed or its app is gone, and atexit writes the
-  last batch (usage.flush_at_exit).
+  USAGE_FLUSH_SECONDS, each batch under durable_write; it ends when its pool is closed or its app
+  is gone, and atexit writes the last batch within a bound (usage.flush_at_exit).
 - petstore-commit-watch (durable.CommitWatch, started by the first write): cancels a write still
   running past its bound, each cancel in a short-lived thread of its own; it lives as long as
   the process, and owns nothing that needs a goodbye.

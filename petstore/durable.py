@@ -8,8 +8,9 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 from flask import Flask, current_app
@@ -100,8 +101,13 @@ def _cancel(conn: Connection) -> None:
         log.warning("could not cancel a write past its bound: %s", exc)
 
 
+def write_bound(settings: Mapping[str, Any]) -> float:
+    """How long a write and its commit may run before the commit watch cancels it (seconds)."""
+    return float(settings["DB_STATEMENT_TIMEOUT_MS"]) / 1000 + COMMIT_WAIT_MARGIN
+
+
 @contextmanager
-def durable_write(conn: Connection) -> Iterator[None]:
+def durable_write(conn: Connection, within: float | None = None) -> Iterator[None]:
     """Around a write and its commit: past the block, the commit is on the synchronous standby.
 
     A commit waits for the synchronous standby, and the statement timeout does not bound that
@@ -114,7 +120,8 @@ def durable_write(conn: Connection) -> Iterator[None]:
     commit is, and idempotency.replay waits for it to be replicated before answering). A block
     that returns after the watch cancelled it raises the same, WARNING or not: in another
     lc_messages the WARNING's text is not recognised, and a cancel that came too late to end
-    anything cannot be told from one that ended the wait.
+    anything cannot be told from one that ended the wait. `within` (seconds) bounds it tighter
+    than write_bound(), for a write with less time left (the usage flush at a worker's exit).
     """
     cancelled: list[str] = []
 
@@ -123,7 +130,9 @@ def durable_write(conn: Connection) -> Iterator[None]:
         if replication_wait_cancelled(diagnostic):
             cancelled.append(f"{diagnostic.message_primary} ({diagnostic.message_detail})")
 
-    bound = current_app.config["DB_STATEMENT_TIMEOUT_MS"] / 1000 + COMMIT_WAIT_MARGIN
+    bound = write_bound(current_app.config)
+    if within is not None:
+        bound = min(bound, within)
     watch: CommitWatch = current_app.extensions["petstore.commit_watch"]
     conn.add_notice_handler(notice)
     token = watch.watch(conn, bound)

@@ -9,6 +9,15 @@ USAGE_FLUSH_SECONDS of requests. Workers and hosts add to the same rows (insert 
 do update), so their counts add up exactly. A batch PostgreSQL refused is kept and added to the
 next one.
 
+Each batch is written as every write is (durable.durable_write): bounded, and written only once
+the synchronous standby has it. A batch whose commit's wait was cancelled (a primary deposed
+behind its back) is kept for the next one, which reaches the new primary: the failover loses
+none of a running worker's counts (the cancelled commit, on the deposed primary alone, goes with
+it; if that primary was not deposed after all, its standby only slow, the batch counts twice).
+A worker that stops before a batch is acknowledged loses it: what it counted since its last
+acknowledged write (docs/faults.rst). The flush at exit takes EXIT_FLUSH_SECONDS past the write
+bound at most, whatever it waits for, so the exit stays within gunicorn's graceful timeout.
+
 Requests without a valid key are counted under key id 0 (AGGREGATE), never per client address.
 Paths outside /v1 (the probes, /metrics) are not counted.
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import threading
 import time
 import weakref
@@ -27,7 +37,7 @@ import psycopg
 import psycopg_pool
 from flask import Flask, Response, current_app, g
 
-from petstore import metrics, web
+from petstore import durable, metrics, web
 from petstore.caller import Caller
 from petstore.plans import PLANS
 from petstore.queries import usage as usage_sql
@@ -45,6 +55,10 @@ PLAN_LABELS = (*PLANS, NO_PLAN)
 
 # How long a flush waits for a connection of the pool (seconds): requests come first.
 FLUSH_POOL_TIMEOUT = 2.0
+# The flush at a worker's exit ends within the write bound (durable.write_bound) plus this many
+# seconds, the flusher's write in flight included: with the shipped settings (statement timeout
+# 5 s) 8 s, within gunicorn's graceful timeout (20 s) after the running requests' 8 s.
+EXIT_FLUSH_SECONDS = FLUSH_POOL_TIMEOUT
 
 # (key id, plan, hour as Unix seconds) -> requests by outcome, in usage_sql.OUTCOMES' order.
 Counts = dict[tuple[int, str, int], list[int]]
@@ -99,24 +113,44 @@ class UsageCounter:
             for slot, outcomes in counts.items():
                 add_outcomes(self.counts, slot, outcomes)
 
-    def flush(self, app: Flask, pool: psycopg_pool.ConnectionPool[Any]) -> int:
-        """Write the counts in one statement; how many (key, hour) rows. Kept on failure."""
-        with self.flushing:
+    def requests(self) -> int:
+        """How many requests are counted and not yet written."""
+        with self.lock:
+            return sum(sum(outcomes) for outcomes in self.counts.values())
+
+    def flush(
+        self, app: Flask, pool: psycopg_pool.ConnectionPool[Any], within: float | None = None
+    ) -> int:
+        """Write the counts in one statement, durably; how many (key, hour) rows. Kept on failure.
+
+        With `within` (seconds), it ends by then, a flush in flight waited for included.
+        """
+        deadline = math.inf if within is None else time.monotonic() + within
+        if not self.flushing.acquire(timeout=-1 if within is None else within):
+            log.warning("usage counts not written: the flush in flight outlasted %.1f s", within)
+            return 0
+        try:
             counts = self.take()
             if not counts:
                 return 0
             metrics.requests_by_plan(plan_totals(counts), app)
             rows = batch_rows(counts)
             try:
-                with pool.connection(timeout=FLUSH_POOL_TIMEOUT) as conn:
-                    usage_sql.add_usage(conn, rows)
+                pool_wait = max(0.01, min(FLUSH_POOL_TIMEOUT, deadline - time.monotonic()))
+                with pool.connection(timeout=pool_wait) as conn, app.app_context():
+                    left = None if within is None else max(0.0, deadline - time.monotonic())
+                    with durable.durable_write(conn, left):
+                        usage_sql.add_usage(conn, rows)
             except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
-                # Kept for the next batch. A connection lost during the commit leaves it unknown
-                # whether PostgreSQL kept the batch: then its requests may count twice.
+                # Kept for the next batch. A connection lost during the commit, or a commit whose
+                # wait was cancelled (CommitNotReplicated), leaves the batch on a server that a
+                # failover may throw away, or may keep: then its requests count twice.
                 self.put_back(counts)
                 log.warning("usage counts kept for the next batch: %s", exc)
                 return 0
             return len(rows)
+        finally:
+            self.flushing.release()
 
 
 def add_outcomes(into: dict[Any, list[int]], slot: Any, outcomes: list[int]) -> None:
@@ -157,13 +191,13 @@ def count_request(response: Response) -> None:
     counter.add(key_id, plan, response.status_code, time.time())
 
 
-def flush(app: Flask) -> int:
-    """Write the app's counts now, unless its pool is closed; how many rows."""
+def flush(app: Flask, within: float | None = None) -> int:
+    """Write the app's counts now (within `within` seconds), unless its pool is closed; how many rows."""
     counter: UsageCounter = app.extensions[EXTENSION]
     pool = app.extensions.get("petstore.pool")
     if pool is None or pool.closed:
         return 0
-    return counter.flush(app, pool)
+    return counter.flush(app, pool, within)
 
 
 class Flusher(threading.Thread):
@@ -194,8 +228,13 @@ class Flusher(threading.Thread):
 def flush_at_exit(app_ref: weakref.ref[Flask]) -> None:
     """A stopping worker writes its last batch (SIGTERM, max_requests, a re-exec)."""
     app = app_ref()
-    if app is not None:
-        flush(app)
+    pool = None if app is None else app.extensions.get("petstore.pool")
+    if app is None or pool is None or pool.closed:  # closed by its owner (tests): no write
+        return
+    flush(app, durable.write_bound(app.config) + EXIT_FLUSH_SECONDS)
+    lost = app.extensions[EXTENSION].requests()
+    if lost:
+        log.warning("usage counts of %d requests lost: not written before the worker's exit", lost)
 
 
 def init_app(app: Flask) -> None:

@@ -5,14 +5,19 @@ connects: every commit waits for it forever, which is what a primary whose stand
 behind its back does (its Patroni dead). The statement timeout does not bound that wait; the
 service cancels it after its own bound, PostgreSQL keeps the commit locally and says so in a
 WARNING, and the answer is a 503 with Retry-After. A retry with the same Idempotency-Key is a 503
-again while the standby lacks the record, and the recorded 201 once it is replicated.
+again while the standby lacks the record, and the recorded 201 once it is replicated. Every write
+is bounded so (issue 40 §3): the ban, the usage flush, and with them a stopping worker's exit.
+And with a real synchronous standby, a ban the 429 announced is on it when it is promoted.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -22,9 +27,10 @@ from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.errors import Diagnostic
 
-from petstore import config, create_app, db, durable, keys
-from tests.support.checks import assert_error
-from tests.support.servers import ThrowawayPostgres, poll_until
+from petstore import config, create_app, db, devserver, durable, keys, migrations, usage
+from tests.support.checks import Answer, assert_error, call
+from tests.support.servers import Gunicorn, ThrowawayPostgres, poll_until
+from tests.support.standby import PostgresServer, make_primary, make_standby
 
 APP_DBNAME = "petstore"
 STATEMENT_TIMEOUT_MS = 500
@@ -221,3 +227,143 @@ def test_a_cancelled_wait_is_a_503_whatever_the_warnings_language(
     assert count_named(server, "Untranslated") == 1  # committed here alone
     # Closed, not reused: the watch's cancel cannot reach a later request's statement.
     assert pool.get_stats().get("returns_bad", 0) == returned_closed + 1
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def test_the_usage_flush_is_bounded_and_keeps_its_batch(
+    server: ThrowawayPostgres, app: Flask, key: str
+) -> None:
+    """The usage flush writes like every write: its commit's wait is cancelled within the bound
+    (before: it waited as long as the standby was missing, the flusher's lock held, and the
+    flush at exit behind it), and the batch is kept for the next flush, which writes it."""
+    client = app.test_client()
+    counter: usage.UsageCounter = app.extensions[usage.EXTENSION]
+    usage.flush(app)
+    for _ in range(3):
+        assert client.get("/v1/pets", headers=bearer(key)).status_code == 200
+    wait_for_standby_named(server, "nobody")
+    written: list[int] = []
+    flushing = threading.Thread(target=lambda: written.append(usage.flush(app)), daemon=True)
+    try:
+        flushing.start()
+        flushing.join(timeout=ANSWERED_WITHIN)
+        assert written == [0], "the flush still waits for the commit"
+    finally:
+        wait_for_standby_named(server, "")  # lets a flush that waits end
+        flushing.join(timeout=10)
+    assert counter.requests() == 3  # kept for the next batch
+    assert usage.flush(app) == 1
+    assert counter.requests() == 0
+
+
+def test_a_stopping_worker_waits_within_its_bounds_on_every_write(
+    server: ThrowawayPostgres, key: str, tmp_path: Path
+) -> None:
+    """SIGTERM while every commit waits for a standby that is gone: a create and a ban in flight,
+    the flusher's write too, then the flush at exit. Each ends within its bound, so the worker
+    exits by itself, well before gunicorn's graceful timeout would kill it (before: the flush
+    waited until then)."""
+    with db.connect(config.from_environ({"DATABASE_URL": server.url(APP_DBNAME)})) as conn:
+        hammering, _row = keys.issue_key(conn, "free", "hammers at exit", 1, 1000)
+    environ = {
+        "DATABASE_URL": server.url(APP_DBNAME),
+        "PETSTORE_DB_STATEMENT_TIMEOUT_MS": str(STATEMENT_TIMEOUT_MS),
+        "PETSTORE_RETRY_AFTER": str(RETRY_AFTER),
+        "PETSTORE_BAN_THRESHOLD": "1",
+        # The flusher writes all the time: at the SIGTERM, its write is likely in flight.
+        "PETSTORE_USAGE_FLUSH_SECONDS": "0.2",
+    }
+    graceful = 10
+    # The requests' bound, then the flush at exit's (the flusher's write and its own within it).
+    flush_at_exit = durable.write_bound(config.from_environ(environ)) + usage.EXIT_FLUSH_SECONDS
+    exits_within = ANSWERED_WITHIN + flush_at_exit + 1.0
+    assert exits_within < graceful
+    with Gunicorn(environ, tmp_path / "gunicorn.log", workers=1, stop_timeout=graceful + 2) as web:
+        assert call(web.url, "GET", "/v1/pets", headers=bearer(hammering)).status == 200
+        wait_for_standby_named(server, "nobody")
+        answers: dict[str, Answer] = {}
+
+        def send(name: str, method: str, headers: dict[str, str], body: Any = None) -> None:
+            answers[name] = call(web.url, method, "/v1/pets", headers=headers, json_body=body)
+
+        sent = [
+            threading.Thread(target=send, args=("create", "POST", bearer(key), NEW_PET)),
+            threading.Thread(target=send, args=("ban", "GET", bearer(hammering))),
+        ]
+        for thread in sent:
+            thread.start()
+        time.sleep(0.3)  # both wait for their commits now
+        began = time.monotonic()
+        os.kill(web.pid, signal.SIGTERM)
+        assert web.process is not None
+        web.process.wait(timeout=graceful + 5)
+        took = time.monotonic() - began
+        for thread in sent:
+            thread.join(timeout=10)
+        log = web.log_path.read_text(errors="replace")
+    wait_for_standby_named(server, "")
+    print(f"\nthe master exited {took:.2f} s after SIGTERM (bound {exits_within:.1f} s)")
+    assert took < exits_within, (took, log[-3000:])
+    assert_error(answers["create"], 503, "service_unavailable")
+    assert answers["ban"].status == 429, answers["ban"]
+    assert "banned" not in answers["ban"].body["message"], answers["ban"]
+    # The flush at exit gave up within its bound: what it held is lost, and the log says so.
+    assert "not written before the worker's exit" in log, log[-3000:]
+
+
+@pytest.fixture
+def standby_pair(tmp_path: Path) -> Iterator[tuple[PostgresServer, PostgresServer]]:
+    """A primary whose every commit waits for its synchronous standby, and that standby."""
+    primary = make_primary(tmp_path)
+    primary.settings["synchronous_standby_names"] = "*"
+    with primary:
+        with make_standby(tmp_path, primary, "0") as standby:
+            with psycopg.connect(primary.url(), autocommit=True) as conn:
+                statement = "select count(*) from pg_stat_replication where sync_state = 'sync'"
+
+                def synchronous() -> int:
+                    row = conn.execute(statement).fetchone()
+                    return int(row[0]) if row else 0
+
+                assert poll_until(synchronous, lambda count: count == 1, 30.0, 0.1) == 1
+            yield primary, standby
+
+
+def test_a_ban_the_429_announced_is_on_the_standby_promoted_after_a_crash(
+    standby_pair: tuple[PostgresServer, PostgresServer],
+) -> None:
+    """The strike that bans answers "now banned" once the ban is on the synchronous standby: the
+    primary killed right after (kill -9: it sends nothing more), the standby promoted, the ban is
+    there, and an app on it refuses the key as banned."""
+    primary, standby = standby_pair
+    devserver.ensure_database(primary.url(), APP_DBNAME)
+    with db.connect(config.from_environ({"DATABASE_URL": primary.url(APP_DBNAME)})) as conn:
+        migrations.upgrade(conn)
+        secret, row = keys.issue_key(conn, "free", "banned before the crash", 1, 1000)
+    overrides = {"TESTING": True, "BAN_THRESHOLD": 1, **SETTINGS}
+    app = create_app({"DATABASE_URL": primary.url(APP_DBNAME), **overrides})
+    try:
+        client = app.test_client()
+        assert client.get("/v1/pets", headers=bearer(secret)).status_code == 200
+        response = client.get("/v1/pets", headers=bearer(secret))  # the strike that bans
+        assert_error(response, 429, "rate_limited")
+        assert "now banned" in response.get_json()["message"], response.get_json()
+        assert primary.process is not None
+        os.killpg(primary.process.pid, signal.SIGKILL)
+    finally:
+        app.extensions["petstore.pool"].close()
+    with psycopg.connect(standby.url(APP_DBNAME), autocommit=True) as conn:
+        conn.execute("select pg_promote(wait => true)")
+        bans = conn.execute(
+            "select count(*) from bans where key_id = %s and banned_until > now()", [row["id"]]
+        ).fetchone()
+    assert bans == (1,)
+    promoted = create_app({"DATABASE_URL": standby.url(APP_DBNAME), **overrides})
+    try:
+        refused = promoted.test_client().get("/v1/pets", headers=bearer(secret))
+        assert_error(refused, 429, "api_key_banned")
+    finally:
+        promoted.extensions["petstore.pool"].close()
