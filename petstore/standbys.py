@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from flask import Flask, current_app
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from petstore.db import Connection, cut_while_idle, get_conn, open_pool
@@ -37,7 +38,7 @@ LAG_CHECK_SECONDS = 1.0
 # How far behind a standby is (seconds): 0 when it has replayed all the WAL it received (caught
 # up; also when it streams nothing yet, just started), else the time since the primary committed
 # the last transaction it replayed (unknown, null, when it replayed none since it started). On a
-# primary (prefer-standby fell back to one): 0.
+# primary (a read URL that names one, not prefer-standby: Standbys.not_a_standby): 0.
 STANDBY_LAG = """
 select case when not pg_is_in_recovery()
                  or coalesce(pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn(), true)
@@ -60,16 +61,23 @@ def init_app(app: Flask) -> None:
         reconnect_timeout=READ_RECONNECT_TIMEOUT,
     )
     app.extensions["petstore.read_pool"] = read_pool
-    app.extensions["petstore.standbys"] = Standbys(read_pool, app.config["READ_MAX_LAG_SECONDS"])
+    attrs = conninfo_to_dict(app.config["READ_DATABASE_URL"]).get("target_session_attrs")
+    app.extensions["petstore.standbys"] = Standbys(
+        read_pool, app.config["READ_MAX_LAG_SECONDS"], only_standbys=attrs == "prefer-standby"
+    )
 
 
 class Standbys:
     """One worker's reads on the standbys (PETSTORE_READ_DATABASE_URL): their pool, when to leave
     them alone, and whether they were too far behind at the last check."""
 
-    def __init__(self, pool: ConnectionPool[Connection], max_lag: float) -> None:
+    def __init__(
+        self, pool: ConnectionPool[Connection], max_lag: float, only_standbys: bool = False
+    ) -> None:
         self.pool = pool
         self.max_lag = max_lag
+        # prefer-standby: a server that is no standby is not read from (not_a_standby).
+        self.only_standbys = only_standbys
         self.rests_until = 0.0  # monotonic
         self.lag_checked_at = -math.inf  # monotonic
         self.behind = False
@@ -101,6 +109,19 @@ class Standbys:
             conn = self.pool.getconn(timeout=READ_POOL_TIMEOUT)
         return conn
 
+    def not_a_standby(self, conn: Connection) -> bool:
+        """Whether `conn`'s server says it is not a standby, when only standbys are read from.
+
+        prefer-standby falls back to the first host that takes a connection when no standby
+        does: after a failover, that may be a primary deposed behind its back (its Patroni dead,
+        its PostgreSQL alive and writable until that Patroni demotes it), whose rows stop at the
+        failover. So the primary by DATABASE_URL, which follows the leader lock, answers instead.
+        The server reports in_hot_standby itself, at connection and when it is promoted (before
+        the answer to the next statement): no round trip. Not reported (a pooler in between, a
+        server before PostgreSQL 14): trusted, as before.
+        """
+        return self.only_standbys and conn.info.parameter_status("in_hot_standby") == "off"
+
     def too_far_behind(self, conn: Connection) -> bool:
         """Whether the standby was more than max_lag seconds behind when last asked (at most once
         per LAG_CHECK_SECONDS per worker, on the read's own connection)."""
@@ -125,7 +146,8 @@ def read_on_standby_if_any(query: Callable[..., T], *args: Any, **kwargs: Any) -
     """`query(conn, ...)` on a standby (PETSTORE_READ_DATABASE_URL), else on the primary.
 
     Only for statements that write nothing and may lag by the replication delay, up to
-    READ_MAX_LAG_SECONDS plus LAG_CHECK_SECONDS: a standby further behind is not read from. A
+    READ_MAX_LAG_SECONDS plus LAG_CHECK_SECONDS: a standby further behind, or a server that is no
+    standby behind a prefer-standby URL (Standbys.not_a_standby), is not read from. A
     standby that cannot be reached within READ_POOL_TIMEOUT, or fails the statement, is not an
     error: the primary answers, and this worker leaves the standbys alone for READ_POOL_REST.
     """
@@ -138,7 +160,7 @@ def read_on_standby_if_any(query: Callable[..., T], *args: Any, **kwargs: Any) -
         standbys.rest(exc)
         return query(get_conn(), *args, **kwargs)
     try:
-        if not standbys.too_far_behind(conn):
+        if not standbys.not_a_standby(conn) and not standbys.too_far_behind(conn):
             answer = query(conn, *args, **kwargs)
             standbys.answered += 1
             return answer

@@ -117,3 +117,21 @@ def test_standbys_down_reads_fall_back_to_the_primary(
         assert got.status_code == 200, got.json
     # Resting from the standbys: no wait for them on each read.
     assert time.monotonic() - started < standbys.READ_POOL_TIMEOUT
+
+
+def test_a_prefer_standby_url_reads_no_server_that_is_not_a_standby(
+    make_app: Callable[..., Flask], key: str, standby_url: str
+) -> None:
+    """prefer-standby falls back to the first host that takes a connection when no standby does:
+    after a failover, perhaps a primary deposed behind its back. A server that says it is not in
+    hot standby is not read from: the primary by DATABASE_URL answers (the stand-in is no
+    standby, so its pet is not listed)."""
+    url = conninfo.make_conninfo(standby_url, target_session_attrs="prefer-standby")
+    client = make_app(READ_DATABASE_URL=url).test_client()
+    created = client.post("/v1/pets", json=NEW_PET, headers=bearer(key))
+    assert created.status_code == 201, created.json
+
+    listed = client.get("/v1/pets", headers=bearer(key))
+
+    assert listed.status_code == 200, listed.json
+    assert [pet["name"] for pet in listed.json] == [NEW_PET["name"]]
