@@ -30,7 +30,7 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
 
 from petstore import config as _config
 from petstore import migrations as _migrations
-from petstore import overrides
+from petstore import overrides, tracing
 
 _env = os.environ.get
 
@@ -82,6 +82,11 @@ try:
     _config.check(_settings)
 except _config.ConfigError as _exc:
     _refuse(str(_exc))
+
+# OTEL_TRACES_EXPORTER and its protocol, and the extra they need (petstore.tracing).
+_tracing_refused = tracing.refusal()
+if _tracing_refused:
+    _refuse(_tracing_refused)
 
 # Code newer than the database's schema does not start: before gunicorn binds, so that during a
 # release (USR2) the old master keeps serving and a new host never joins nginx's upstreams.
@@ -194,6 +199,13 @@ def child_exit(server: Any, worker: Any) -> None:
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+
+
+def post_fork(server: Any, worker: Any) -> None:
+    """In the new worker, before it loads the app: its tracer provider, when OTEL_TRACES_EXPORTER
+    asks for one (the batch processor's thread must be the worker's own; at exit the worker
+    sends what it sampled, waiting at most tracing.EXIT_FLUSH_SECONDS)."""
+    tracing.start()
 
 
 def post_worker_init(worker: Any) -> None:
