@@ -16,9 +16,10 @@ the service's own around a view (ProxyFix, the error handlers and db's teardown 
 - headers (budgets): X-RateLimit-* on every counted /v1 answer, errors included.
 - trace (tracing, when on): the server span around all of it, and spans of the key lookup,
   the count, each statement and a durable write.
-- log (logs): the request id header and one JSON line (with the trace's ids); metrics (metrics): the request tallied
-  by operation and status, with its latency; usage (usage): a /v1 request counted for its key
-  (or the aggregate of requests without a valid key) by hour and outcome, written in batches.
+- log (logs): the request id header and one JSON line (with the trace's ids); metrics
+  (metrics): the request tallied by operation and status, with its latency; usage (usage): a
+  /v1 request counted for its key (or the aggregate of requests without a valid key) by hour
+  and outcome, written in batches.
 
 A view marked auth.uncounted (GET /v1/rate_limit) skips counting, bans and scopes for a
 valid key; without one it is counted and refused like any other path.

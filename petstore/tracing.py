@@ -135,7 +135,8 @@ def make_provider(exporter: Any, sampler: Any = None) -> Any:
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "petstore"}))
     made = TracerProvider(resource=resource, sampler=sampler, shutdown_on_exit=False)
-    processor = BatchSpanProcessor(CountingExporter(exporter))
+    # CountingExporter is a SpanExporter by its methods: the SDK is not imported before start.
+    processor = BatchSpanProcessor(CountingExporter(exporter))  # type: ignore[arg-type]
     # The pinned SDK's hook for what its queue drops (tests/app/test_tracing.py checks it).
     processor._batch_processor._metrics = DropCounter()
     made.add_span_processor(processor)
