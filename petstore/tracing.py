@@ -131,7 +131,10 @@ def make_provider(exporter: Any, sampler: Any = None) -> Any:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create({"service.version": importlib.metadata.version("petstore")})
+    # The worker's pid tells the workers' spans apart (made after the fork: start, post_fork).
+    resource = Resource.create(
+        {"service.version": importlib.metadata.version("petstore"), "process.pid": os.getpid()}
+    )
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "petstore"}))
     made = TracerProvider(resource=resource, sampler=sampler, shutdown_on_exit=False)
