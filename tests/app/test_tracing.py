@@ -388,6 +388,14 @@ def test_the_settings_are_checked(environ: dict[str, str], refused: str | None) 
     assert said == refused if refused is None else said is not None and said.startswith(refused)
 
 
+def test_an_exporter_without_the_extra_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tracing.importlib.util, "find_spec", lambda name: None)
+    assert tracing.refusal({"OTEL_TRACES_EXPORTER": "otlp"}) == (
+        "OTEL_TRACES_EXPORTER=otlp needs the otel extra: pip install 'petstore[otel]'"
+    )
+    assert tracing.refusal({}) is None
+
+
 class Failing:
     """An exporter that refuses every batch, after `delay` seconds."""
 
