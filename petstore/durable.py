@@ -126,7 +126,8 @@ def durable_write(conn: Connection) -> Iterator[None]:
 
     bound = current_app.config["DB_STATEMENT_TIMEOUT_MS"] / 1000 + COMMIT_WAIT_MARGIN
     watch: CommitWatch = current_app.extensions["petstore.commit_watch"]
-    # Its time past its statements' spans is the commit's wait for the synchronous standby.
+    # Its statements' spans include their commits' waits for the synchronous standby
+    # (autocommit); a transaction's commit, and its wait, is the time past them.
     with tracing.span("durable.write"):
         conn.add_notice_handler(notice)
         token = watch.watch(conn, bound)

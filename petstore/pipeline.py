@@ -14,8 +14,8 @@ the service's own around a view (ProxyFix, the error handlers and db's teardown 
   After counting, so the 403 spends budget.
 - view: parses with a schema, runs its queries on the request's connection (autocommit).
 - headers (budgets): X-RateLimit-* on every counted /v1 answer, errors included.
-- trace (tracing, when on): the server span around all of it, and spans of the key lookup,
-  the count, each statement and a durable write.
+- trace (tracing, when on): the server span of a /v1 request, from here to the log, and spans
+  of the key lookup, the count, each statement and a durable write.
 - log (logs): the request id header and one JSON line (with the trace's ids); metrics
   (metrics): the request tallied by operation and status, with its latency; usage (usage): a
   /v1 request counted for its key (or the aggregate of requests without a valid key) by hour
@@ -25,7 +25,7 @@ A view marked auth.uncounted (GET /v1/rate_limit) skips counting, bans and scope
 valid key; without one it is counted and refused like any other path.
 
 Paths outside /v1 (the health probes, /metrics) only get the request id, the log line and
-the tally.
+the tally: no trace.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from petstore.ratelimit import bans, budgets
 
 def before_view() -> None:
     """Everything between the request's arrival and its view."""
-    g.trace = tracing.start_request()  # the server span, when tracing is on
     logs.start_request()
     if not web.in_api():
         return
+    g.trace = tracing.start_request()  # the server span, when tracing is on
     if request.method == "POST":
         # Before a pooled connection is taken: a slow body holds a thread, never a connection.
         g.body = web.read_body_or_error()

@@ -189,6 +189,14 @@ def test_each_operation_has_its_span_tree(
     assert server.attributes["http.request.method"] == method
 
 
+def test_probes_and_scrapes_are_not_traced(client: Any, spans: InMemorySpanExporter) -> None:
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert client.get(path).status_code in (200, 503)
+    assert spans.get_finished_spans() == ()
+    assert client.get("/v1/pets").status_code == 401
+    assert tree(spans.get_finished_spans()) == ["GET /v1/pets", "  ratelimit.count"]
+
+
 def test_the_key_lookup_says_hit_or_miss(
     make_app: Callable[..., Flask], auth_headers: dict[str, str], spans: InMemorySpanExporter
 ) -> None:
