@@ -5,6 +5,7 @@ a collector that is down costing requests nothing but dropped spans, counted."""
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from tests.support.checks import call
 from tests.support.nginx import DeployedGunicorn, Nginx
 from tests.support.otlp import OTLPReceiver, outline
 from tests.support.redis_servers import RedisServer
-from tests.support.servers import poll_until
+from tests.support.servers import SilentServer, poll_until
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -175,6 +176,75 @@ def test_sigterm_sends_what_was_sampled(
         arrived = {span.trace_id for span in receiver.received()}
         assert trace_ids <= arrived
         assert len({span.resource["process.pid"] for span in receiver.received()}) >= 1
+
+
+def test_a_worker_that_reaches_max_requests_sends_what_was_sampled(
+    database_url: str,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    conn: db.Connection,
+    issue_key: Callable[..., str],
+) -> None:
+    headers = {**bearer(issue_key("enterprise", per_minute=10**6, per_day=10**7))}
+    with OTLPReceiver() as receiver:
+        gunicorn = run_one(
+            database_url,
+            redis_server,
+            receiver,
+            tmp_path / "g.log",
+            OTEL_BSP_SCHEDULE_DELAY="600000",
+            GUNICORN_CMD_ARGS="--max-requests 5",
+        )
+        with gunicorn:
+            first = gunicorn.wait_for_workers()
+            sent = [
+                call(gunicorn.url, "GET", "/v1/pets", headers=headers).headers["X-Request-ID"]
+                for _ in range(12)
+            ]
+            records = gunicorn.logged(sent)
+            # Recycled workers sent theirs on the way out, the service still serving.
+            arrived = poll_until(
+                lambda: {span.trace_id for span in receiver.received()},
+                lambda found: len(found) >= 5,
+                10.0,
+            )
+            assert set(gunicorn.worker_pids()) - set(first)
+        assert {span.resource["process.pid"] for span in receiver.received()} & set(first)
+        assert len(arrived & {record["trace_id"] for record in records.values()}) >= 5
+
+
+def test_a_silent_collector_holds_up_neither_requests_nor_the_exit(
+    database_url: str,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    conn: db.Connection,
+    issue_key: Callable[..., str],
+) -> None:
+    """A collector that takes connections and never answers: requests as fast, and SIGTERM's
+    flush given up after tracing.EXIT_FLUSH_SECONDS rather than the exporter's 30 s."""
+    headers = bearer(issue_key("enterprise", per_minute=10**6, per_day=10**7))
+    with SilentServer() as silent, OTLPReceiver() as receiver:
+        gunicorn = run_one(
+            database_url,
+            redis_server,
+            receiver,
+            tmp_path / "g.log",
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{silent.port}",
+            OTEL_EXPORTER_OTLP_TIMEOUT="30",
+        )
+        gunicorn.start()
+        try:
+            slow = latencies(gunicorn.url, headers, 50)
+            assert statistics.median(slow) < 0.05
+            assert max(slow) < 0.5
+            assert silent.accepted  # the exports went there, and wait
+        finally:
+            started = time.monotonic()
+            gunicorn.stop()
+            took = time.monotonic() - started
+    # The workers' 2 s each, side by side, and gunicorn's own stop; never the exporter's 30 s.
+    assert took < 6.0, took
+    assert "Worker exiting" in gunicorn.log_path.read_text()
 
 
 def latencies(base_url: str, headers: Mapping[str, str], requests: int) -> list[float]:
