@@ -237,6 +237,8 @@ def start_request() -> tuple[Any, object] | None:
         kind=_trace.SpanKind.SERVER,
         attributes=attributes,
     )
+    if not span.is_recording():
+        return None  # not sampled: no context to set, as nothing below records or calls out
     return span, _context.attach(_trace.set_span_in_context(span, parent))
 
 
