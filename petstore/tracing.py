@@ -243,14 +243,13 @@ def start_request() -> tuple[Any, object] | None:
 
 
 def finish_request(opened: tuple[Any, object] | None, response: Response) -> None:
-    """Close the server span `start_request` opened, with the response's status."""
+    """Close the server span `start_request` opened (a sampled one), with the response's status."""
     if opened is None:
         return
     span, token = opened
-    if span.is_recording():
-        span.set_attribute("http.response.status_code", response.status_code)
-        if response.status_code >= 500:
-            span.set_status(_trace.StatusCode.ERROR)
+    span.set_attribute("http.response.status_code", response.status_code)
+    if response.status_code >= 500:
+        span.set_status(_trace.StatusCode.ERROR)
     span.end()
     _context.detach(token)
 
