@@ -1,12 +1,12 @@
-"""A commit whose wait for the synchronous standby was cancelled is a 503, never a 201 (durable.durable_write),
-and its trace shows the wait.
+"""A commit whose wait for the synchronous standby was cancelled is a 503, never a 201 (durable.durable_write).
 
 A PostgreSQL of the test's own whose synchronous_standby_names names a standby that never
 connects: every commit waits for it forever, which is what a primary whose standby was promoted
 behind its back does (its Patroni dead). The statement timeout does not bound that wait; the
 service cancels it after its own bound, PostgreSQL keeps the commit locally and says so in a
 WARNING, and the answer is a 503 with Retry-After. A retry with the same Idempotency-Key is a 503
-again while the standby lacks the record, and the recorded 201 once it is replicated.
+again while the standby lacks the record, and the recorded 201 once it is replicated. Its trace
+shows where the create waited (petstore.tracing).
 """
 
 from __future__ import annotations
