@@ -516,3 +516,18 @@ def test_a_query_function_outside_a_trace_records_nothing(
 
     assert pet_sql.find_pet(conn, 1) is None
     assert spans.get_finished_spans() == ()
+
+
+@pytest.mark.parametrize(
+    ("environ", "named"), [({}, "petstore"), ({"OTEL_SERVICE_NAME": "pets-eu"}, "pets-eu")]
+)
+def test_the_service_is_named_petstore_unless_otel_service_name_says(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], named: str
+) -> None:
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    made = tracing.make_provider(Failing())
+    assert made.resource.attributes["service.name"] == named
+    assert made.resource.attributes["process.pid"] == os.getpid()
