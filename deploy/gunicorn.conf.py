@@ -29,9 +29,8 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 from petstore import config as _config
-from petstore import gunicorn_glue
+from petstore import gunicorn_glue, tracing
 from petstore import migrations as _migrations
-from petstore import tracing
 
 _env = os.environ.get
 
