@@ -18,13 +18,38 @@ import sys
 import tempfile
 from typing import Any
 
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists (another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _remove_dead_masters_metrics_dirs() -> None:
+    """Remove the metrics directories of masters that died without their clean-up (kill -9, OOM),
+    and only those: each is named by its master's pid (below), and that pid no longer runs."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "petstore-metrics-*-*")):
+        pid = os.path.basename(path).split("-")[2]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 # PROMETHEUS_MULTIPROC_DIR: where the workers write their metrics for GET /metrics to sum
-# (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own
-# and removes it however it exits (below); several instances on one host need one directory each.
+# (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own,
+# named by its pid, and removes it however it exits but SIGKILL (below), after removing those of
+# killed masters; several instances on one host need one directory each.
 # Set first, before petstore is imported (below, for the settings check): prometheus_client reads
 # it once, on import, and the workers inherit it.
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="petstore-metrics-")
+    _remove_dead_masters_metrics_dirs()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
+        prefix=f"petstore-metrics-{os.getpid()}-"
+    )
     # Remembered in the environment: a reload (SIGHUP) reads this file again.
     os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
