@@ -18,27 +18,6 @@ import sys
 import tempfile
 from typing import Any
 
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists (another user's too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
-def _remove_dead_masters_metrics_dirs() -> None:
-    """Remove the metrics directories of masters that died without their clean-up (kill -9, OOM),
-    and only those: each is named by its master's pid (below), and that pid no longer runs."""
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), "petstore-metrics-*-*")):
-        pid = os.path.basename(path).split("-")[2]
-        if pid.isdigit() and not _running(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 # PROMETHEUS_MULTIPROC_DIR: where the workers write their metrics for GET /metrics to sum
 # (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own,
 # named by its pid, and removes it however it exits but SIGKILL (below), after removing those of
@@ -46,7 +25,12 @@ def _remove_dead_masters_metrics_dirs() -> None:
 # Set first, before petstore is imported (below, for the settings check): prometheus_client reads
 # it once, on import, and the workers inherit it.
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    _remove_dead_masters_metrics_dirs()
+    # First the directories of masters killed before they could remove theirs (kill -9, the OOM
+    # killer), and only those: each is named by its master's pid, which no longer runs.
+    for _left in glob.glob(os.path.join(tempfile.gettempdir(), "petstore-metrics-*-*")):
+        _pid = os.path.basename(_left).split("-")[2]
+        if _pid.isdigit() and not os.path.exists(f"/proc/{_pid}"):
+            shutil.rmtree(_left, ignore_errors=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
         prefix=f"petstore-metrics-{os.getpid()}-"
     )

@@ -89,8 +89,9 @@ LATENCY_BUCKETS = (
 # How often each worker writes its pool and limiter gauges (see Sampler).
 SAMPLE_SECONDS = 1.0
 
-# Each worker's own process numbers, by pid (multiprocess mode leaves out prometheus_client's
-# ProcessCollector, and it reads /proc/stat, which the systemd unit's ProcSubset=pid hides).
+# Each worker's own process numbers, one series per live worker labelled by its pid ("liveall"):
+# multiprocess mode leaves out prometheus_client's ProcessCollector, which would report the worker
+# that answers a scrape only (and reads /proc/stat, which the systemd unit's ProcSubset=pid hides).
 PROCESS_GAUGES = {
     "cpu": ("petstore_worker_cpu_seconds", "CPU time (user and system) the worker has used."),
     "rss": ("petstore_worker_resident_memory_bytes", "The worker's resident memory."),
@@ -172,7 +173,7 @@ class Metrics:
     pool_waiting: Gauge
     statement_timeout_unpinned: Gauge
     build_info: Gauge
-    # PROCESS_GAUGES' keys -> the gauge, labelled by pid.
+    # PROCESS_GAUGES' keys -> the gauge.
     process: dict[str, Gauge]
     registry: CollectorRegistry
     # Flask endpoint -> the operation its requests are counted by (any other: UNKNOWN).
@@ -217,8 +218,8 @@ class Metrics:
             self.pool_waiting,
             self.statement_timeout_unpinned,
             self.build_info,
-            *self.process.values(),
         )
+        yield from self.process.values()
 
 
 def build(operation_ids: Mapping[str, str]) -> Metrics:
@@ -320,7 +321,7 @@ def build(operation_ids: Mapping[str, str]) -> Metrics:
             multiprocess_mode="livemax",
         ),
         process={
-            key: Gauge(name, text, ["pid"], registry=None, multiprocess_mode="livesum")
+            key: Gauge(name, text, registry=None, multiprocess_mode="liveall")
             for key, (name, text) in PROCESS_GAUGES.items()
         },
         # Not auto_describe: registering the multiprocess collector would read every worker's
@@ -411,9 +412,8 @@ def sample(app: Flask) -> None:
     an unpinned statement timeout, the limiter's fallback, its CPU, memory and descriptors."""
     metrics: Metrics = app.extensions[EXTENSION]
     metrics.flush()
-    pid = str(os.getpid())
     for key, value in process_numbers().items():
-        metrics.process[key].labels(pid=pid).set(value)
+        metrics.process[key].set(value)
     pool = app.extensions.get("petstore.pool")
     if pool is not None and not pool.closed:
         stats = pool.get_stats()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import logging
@@ -225,19 +226,21 @@ def test_pool_gauges_and_build_info(make_app: Callable[..., Flask]) -> None:
 
 
 def test_each_scrape_gives_this_process_cpu_memory_and_descriptors(client: FlaskClient) -> None:
-    """The process gauges, labelled by pid: under gunicorn one series per live worker."""
-    pid = str(os.getpid())
+    """The process gauges: under gunicorn one series per live worker, labelled by its pid."""
     first = scrape(client)
-    cpu = value(first, "petstore_worker_cpu_seconds", pid=pid)
+    cpu = value(first, "petstore_worker_cpu_seconds")
     assert 0 < cpu <= time.process_time()
-    rss = value(first, "petstore_worker_resident_memory_bytes", pid=pid)
+    rss = value(first, "petstore_worker_resident_memory_bytes")
     assert 10 * 2**20 < rss < 4 * 2**30
-    fds = value(first, "petstore_worker_open_fds", pid=pid)
-    with open(os.devnull, "rb"), open(os.devnull, "rb"):
-        held = value(scrape(client), "petstore_worker_open_fds", pid=pid)
-    assert fds >= 3 and held >= fds + 2
+    fds = value(first, "petstore_worker_open_fds")
+    with contextlib.ExitStack() as files:
+        for _ in range(20):
+            files.enter_context(open(os.devnull, "rb"))
+        held = value(scrape(client), "petstore_worker_open_fds")
+    # The pool may close or open a connection meanwhile.
+    assert fds >= 3 and held >= fds + 15
     sum(range(3_000_000))  # some CPU time
-    assert value(scrape(client), "petstore_worker_cpu_seconds", pid=pid) > cpu
+    assert value(scrape(client), "petstore_worker_cpu_seconds") > cpu
 
 
 def test_a_request_holding_a_connection_shows_in_use(app: Flask) -> None:
