@@ -110,6 +110,9 @@ def test_the_dashboard_is_grafana_json_on_a_prometheus_variable() -> None:
         assert refs and len(refs) == len(set(refs)), panel["title"]
         for target in panel["targets"]:
             assert target["datasource"] == panel["datasource"] and target["expr"], panel["title"]
+    # docs/monitoring.rst says what each panel means.
+    manual = (ROOT / "docs" / "monitoring.rst").read_text(encoding="utf-8")
+    assert [title for title in titles if f"``{title}``" not in manual] == []
     # Exactly the panels the test knows as quiet say so.
     quiet = {panel["title"] for panel in panels(dashboard) if "Zero unless" in panel["description"]}
     assert quiet == set(CAUSED) | NOT_CAUSED
