@@ -16,7 +16,6 @@ import atexit
 import bisect
 import importlib.metadata
 import os
-import resource
 import threading
 import time
 import weakref
@@ -400,7 +399,7 @@ def process_numbers() -> dict[str, float]:
     numbers = {"cpu": time.process_time()}
     try:
         with open("/proc/self/statm", "rb") as statm:
-            numbers["rss"] = int(statm.read().split()[1]) * resource.getpagesize()
+            numbers["rss"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGESIZE")
         numbers["fds"] = len(os.listdir("/proc/self/fd"))
     except OSError:
         pass
