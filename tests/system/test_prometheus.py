@@ -191,7 +191,7 @@ def test_prometheus_sums_two_workers_of_known_traffic(
         dead = before[0]
         os.kill(dead, signal.SIGKILL)
         lingering = poll_until(
-            (metrics_dir / f"gauge_livesum_{dead}.db").exists, lambda x: not x, 20.0
+            lambda: sorted(metrics_dir.glob(f"gauge_live*_{dead}.db")), lambda x: not x, 20.0
         )
         assert not lingering, "child_exit removes a dead worker's live gauges"
         workers = poll_until(
@@ -210,6 +210,14 @@ def test_prometheus_sums_two_workers_of_known_traffic(
         # Two workers' pools, not three: a lingering file of the dead one would make it 6.
         pool = "sum(petstore_db_pool_size)"
         assert prometheus.wait_value(pool, float(WORKERS * THREADS)) == WORKERS * THREADS
+        # Each live worker's process numbers, by pid; the dead one's went with its file.
+        by_pid = "count by (pid) (petstore_worker_resident_memory_bytes)"
+        pids = poll_until(
+            lambda: {series["metric"]["pid"] for series in prometheus.query(by_pid)},
+            lambda got: got == {str(pid) for pid in workers},
+            20.0,
+        )
+        assert pids == {str(pid) for pid in workers}
         assert show(prometheus, requests.format("listPets", 200)) == 35.0
 
 
