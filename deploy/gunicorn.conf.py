@@ -38,8 +38,8 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 from petstore import config as _config
+from petstore import gunicorn_glue
 from petstore import migrations as _migrations
-from petstore import overrides
 
 _env = os.environ.get
 
@@ -100,7 +100,7 @@ if _missing:
 
 # gunicorn's refusals (a request it cannot parse) are the Error JSON, not its HTML page. Set here,
 # in the master, so that every worker inherits it.
-overrides.use_json_refusals()
+gunicorn_glue.use_json_refusals()
 
 # BIND: the address nginx proxies to; several, comma-separated, are allowed.
 bind = _env("BIND", "127.0.0.1:8000").split(",")
@@ -124,11 +124,11 @@ threads = _count("PETSTORE_THREADS", 1 if _worker == "sync" else 4)
 if _worker == "sync" and threads > 1:
     _worker = "gthread"
 os.environ.setdefault("PETSTORE_DB_POOL_SIZE", str(threads))
-# Both are gunicorn's, except that a stopping worker stops listening at once (petstore.overrides);
+# Both are gunicorn's, except that a stopping worker stops listening at once (petstore.gunicorn_glue);
 # another class named here is used as it is.
 worker_class = {
-    "sync": "petstore.overrides.SyncWorker",
-    "gthread": "petstore.overrides.ThreadWorker",
+    "sync": "petstore.gunicorn_glue.SyncWorker",
+    "gthread": "petstore.gunicorn_glue.ThreadWorker",
 }.get(_worker, _worker)
 
 # GUNICORN_TIMEOUT: a worker silent this long is killed and replaced. Requests themselves are
@@ -155,10 +155,10 @@ secure_scheme_headers: dict[str, str] = {}
 forwarder_headers = ""
 
 # The app writes one JSON line per request (petstore.logs); gunicorn's own access log is off (and
-# its logger class does not even build the lines, see petstore.overrides.NoAccessLogger), and
+# its logger class does not even build the lines, see petstore.gunicorn_glue.NoAccessLogger), and
 # its error log goes to stdout in the same JSON format, in batches (petstore.logs.StdoutHandler).
 accesslog = None
-logger_class = "petstore.overrides.NoAccessLogger"
+logger_class = "petstore.gunicorn_glue.NoAccessLogger"
 errorlog = "-"
 loglevel = _env("PETSTORE_LOG_LEVEL", "info").lower()
 logconfig_dict = {
