@@ -253,7 +253,7 @@ def bench_database(
     `scratch_database` on `server_url` (None: the embedded PostgreSQL under var/bench-postgres)."""
     with contextlib.ExitStack() as cleanup:
         if server_url is None:
-            from petstore import embedded
+            from petstore.dev import embedded
 
             cleanup.callback(embedded.stop, EMBEDDED_DIR)
             log(f"starting the embedded PostgreSQL in var/{EMBEDDED_DIR.name}")

@@ -13,7 +13,7 @@ postmaster; it is started again and rejoins as the synchronous standby), `patron
 switchover`, kill -9 of the primary's Patroni alone (its postmaster left accepting writes; that
 Patroni is started again and demotes it), a Redis restart (a crash: its counters are lost),
 kill -9 of a gunicorn worker, and a restart of the primary's PgBouncer. Outside CI: run as root (PostgreSQL runs as
-petstore.embedded's account), `make soak SOAK_ARGS="--minutes 4 --fault-every 0.75"` for a short one.
+petstore.dev.embedded's account), `make soak SOAK_ARGS="--minutes 4 --fault-every 0.75"` for a short one.
 """
 
 from __future__ import annotations
@@ -453,7 +453,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if os.geteuid() != 0:
-        sys.exit("the soak runs PostgreSQL as petstore.embedded's account: run it as root")
+        sys.exit("the soak runs PostgreSQL as petstore.dev.embedded's account: run it as root")
     out = args.out or RESULTS / f"soak-{datetime.date.today():%Y-%m-%d}.md"
     if args.keep is not None:
         args.keep.mkdir(parents=True)

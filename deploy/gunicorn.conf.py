@@ -19,18 +19,27 @@ import tempfile
 from typing import Any
 
 # PROMETHEUS_MULTIPROC_DIR: where the workers write their metrics for GET /metrics to sum
-# (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own
-# and removes it however it exits (below); several instances on one host need one directory each.
+# (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own,
+# named by its pid, and removes it however it exits but SIGKILL (below), after removing those of
+# killed masters; several instances on one host need one directory each.
 # Set first, before petstore is imported (below, for the settings check): prometheus_client reads
 # it once, on import, and the workers inherit it.
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="petstore-metrics-")
+    # First the directories of masters killed before they could remove theirs (kill -9, the OOM
+    # killer), and only those: each is named by its master's pid, which no longer runs.
+    for _left in glob.glob(os.path.join(tempfile.gettempdir(), "petstore-metrics-*-*")):
+        _pid = os.path.basename(_left).split("-")[2]
+        if _pid.isdigit() and not os.path.exists(f"/proc/{_pid}"):
+            shutil.rmtree(_left, ignore_errors=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
+        prefix=f"petstore-metrics-{os.getpid()}-"
+    )
     # Remembered in the environment: a reload (SIGHUP) reads this file again.
     os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 from petstore import config as _config
+from petstore import gunicorn_glue, tracing
 from petstore import migrations as _migrations
-from petstore import overrides
 
 _env = os.environ.get
 
@@ -83,6 +92,11 @@ try:
 except _config.ConfigError as _exc:
     _refuse(str(_exc))
 
+# OTEL_TRACES_EXPORTER and its protocol, and the extra they need (petstore.tracing).
+_tracing_refused = tracing.refusal()
+if _tracing_refused:
+    _refuse(_tracing_refused)
+
 # Code newer than the database's schema does not start: before gunicorn binds, so that during a
 # release (USR2) the old master keeps serving and a new host never joins nginx's upstreams.
 _missing = _migrations.refusal(_settings)
@@ -91,7 +105,7 @@ if _missing:
 
 # gunicorn's refusals (a request it cannot parse) are the Error JSON, not its HTML page. Set here,
 # in the master, so that every worker inherits it.
-overrides.use_json_refusals()
+gunicorn_glue.use_json_refusals()
 
 # BIND: the address nginx proxies to; several, comma-separated, are allowed.
 bind = _env("BIND", "127.0.0.1:8000").split(",")
@@ -115,11 +129,11 @@ threads = _count("PETSTORE_THREADS", 1 if _worker == "sync" else 4)
 if _worker == "sync" and threads > 1:
     _worker = "gthread"
 os.environ.setdefault("PETSTORE_DB_POOL_SIZE", str(threads))
-# Both are gunicorn's, except that a stopping worker stops listening at once (petstore.overrides);
+# Both are gunicorn's, except that a stopping worker stops listening at once (petstore.gunicorn_glue);
 # another class named here is used as it is.
 worker_class = {
-    "sync": "petstore.overrides.SyncWorker",
-    "gthread": "petstore.overrides.ThreadWorker",
+    "sync": "petstore.gunicorn_glue.SyncWorker",
+    "gthread": "petstore.gunicorn_glue.ThreadWorker",
 }.get(_worker, _worker)
 
 # GUNICORN_TIMEOUT: a worker silent this long is killed and replaced. Requests themselves are
@@ -146,10 +160,10 @@ secure_scheme_headers: dict[str, str] = {}
 forwarder_headers = ""
 
 # The app writes one JSON line per request (petstore.logs); gunicorn's own access log is off (and
-# its logger class does not even build the lines, see petstore.overrides.NoAccessLogger), and
+# its logger class does not even build the lines, see petstore.gunicorn_glue.NoAccessLogger), and
 # its error log goes to stdout in the same JSON format, in batches (petstore.logs.StdoutHandler).
 accesslog = None
-logger_class = "petstore.overrides.NoAccessLogger"
+logger_class = "petstore.gunicorn_glue.NoAccessLogger"
 errorlog = "-"
 loglevel = _env("PETSTORE_LOG_LEVEL", "info").lower()
 logconfig_dict = {
@@ -194,6 +208,13 @@ def child_exit(server: Any, worker: Any) -> None:
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+
+
+def post_fork(server: Any, worker: Any) -> None:
+    """In the new worker, before it loads the app: its tracer provider, when OTEL_TRACES_EXPORTER
+    asks for one (the batch processor's thread must be the worker's own; at exit the worker
+    sends what it sampled, waiting at most tracing.EXIT_FLUSH_SECONDS)."""
+    tracing.start()
 
 
 def post_worker_init(worker: Any) -> None:

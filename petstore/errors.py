@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 DATABASE_UNAVAILABLE = (psycopg.OperationalError, psycopg.InterfaceError, psycopg_pool.PoolTimeout)
 
 # Every Error code the service answers with, wherever the refusal is made: the app, gunicorn
-# (petstore.overrides.REFUSALS) and nginx (the error pages of deploy/nginx/petstore.conf).
+# (petstore.gunicorn_glue.REFUSALS) and nginx (the error pages of deploy/nginx/petstore.conf).
 # code -> (its status, the message when nothing more specific is said; None where each answer
 # says its own). The OpenAPI document lists each status's codes from here, in this order, and
 # tests/app/test_deploy_files.py checks that gunicorn's and nginx's codes are here, with these

@@ -1,4 +1,8 @@
-"""The pool's connections to a multi-host DATABASE_URL: the hosts cheapest first, each one's role checked."""
+"""The pool's connections to a multi-host DATABASE_URL: the hosts cheapest first, each one's role checked.
+
+For deployments with no Patroni REST API to route by (docs/deploying.rst, "Which route to the
+primary"); with Patroni, DATABASE_URL names HAProxy and this module sees one host.
+"""
 
 from __future__ import annotations
 

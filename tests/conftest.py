@@ -38,7 +38,7 @@ def server_and_dbname() -> tuple[str, str, Path | None]:
     if shared:
         # Never the application's own database: tests truncate tables.
         return conninfo.make_conninfo(shared, dbname="postgres"), TEST_DBNAME, None
-    from petstore import embedded
+    from petstore.dev import embedded
 
     datadir = ROOT / "var" / "test-postgres"
     return embedded.ensure_running(datadir), TEST_DBNAME, datadir
@@ -59,7 +59,7 @@ def database_url() -> Iterator[str]:
         migrations.upgrade(conn)
     yield url
     if datadir is not None:
-        from petstore import embedded
+        from petstore.dev import embedded
 
         # The next run reuses the embedded cluster, not this database (it is made anew): drop it.
         with psycopg.connect(admin_url, autocommit=True) as admin:

@@ -16,8 +16,8 @@ import pytest
 from click.testing import Result
 from flask.testing import FlaskClient
 
-from petstore import db, devserver, migrations
-from petstore.devserver import development_key
+from petstore import db, migrations
+from petstore.dev.server import development_key, print_welcome
 from petstore.queries import keys
 from tests.conftest import Cli
 from tests.support.checks import pass_key_cache_bound
@@ -315,6 +315,27 @@ def test_unreachable_database_is_a_clear_error(cli: Cli) -> None:
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("module", "dev_modules"),
+    [
+        *[(f"petstore.cli.{group}", []) for group in ("db", "keys", "bans", "usage", "serve")],
+        ("petstore.cli", []),
+        # The check itself: what `petstore serve` imports when it runs.
+        ("petstore.dev.server", ["petstore.dev", "petstore.dev.server"]),
+    ],
+)
+def test_no_operator_command_imports_the_dev_server(module: str, dev_modules: list[str]) -> None:
+    """petstore.dev (make run's server, the embedded PostgreSQL) is imported only when `petstore
+    serve` runs: no operator command loads it."""
+    listed = "sorted(name for name in sys.modules if name.split('.')[:2] == ['petstore', 'dev'])"
+    code = f"import sys, {module}; print({listed})"
+    imported = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+
+    assert imported.strip() == repr(dev_modules)
+
+
 # db upgrade
 
 
@@ -482,7 +503,7 @@ def test_a_revoked_development_key_is_replaced(
 def test_make_runs_lines_show_no_password_and_the_cli_line_its_database(
     given: bool, cli_line: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    devserver.print_welcome(
+    print_welcome(
         "postgresql://petstore:s3cret@127.0.0.1:5432/petstore",
         given,
         "127.0.0.1:8000",

@@ -12,7 +12,7 @@ import gunicorn.util
 import pytest
 from flask import Flask
 
-from petstore import errors, overrides
+from petstore import errors, gunicorn_glue
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SITE = (DEPLOY / "nginx" / "petstore.conf").read_text(encoding="utf-8")
@@ -54,7 +54,7 @@ def test_nginx_writes_its_error_json_as_the_app_and_gunicorn_do(app: Flask) -> N
     with app.app_context():
         made = errors.error_response(405, "method_not_allowed", errors.MESSAGES[405])
     assert texts["/_nginx/405"] == made.get_data(as_text=True)
-    refused = overrides.error_bytes(414).partition(b"\r\n\r\n")[2]
+    refused = gunicorn_glue.error_bytes(414).partition(b"\r\n\r\n")[2]
     assert texts["/_nginx/414"] == refused.decode()
 
 
@@ -100,7 +100,7 @@ def test_each_page_is_the_error_json_of_the_status_it_answers(status: int) -> No
 def test_nginx_and_gunicorn_use_the_same_words(page: str, gunicorn_status: int) -> None:
     """A refusal reads the same whichever layer makes it."""
     returned, body = page_bodies()[f"/_nginx/{page}"]
-    assert (returned, body["code"], body["message"]) == overrides.REFUSALS[gunicorn_status]
+    assert (returned, body["code"], body["message"]) == gunicorn_glue.REFUSALS[gunicorn_status]
 
 
 @pytest.mark.parametrize("status", [405, 413])
@@ -130,13 +130,16 @@ def test_nginx_and_gunicorn_share_the_head_limits(
     assert settings["forwarder_headers"] == ""
     # gunicorn builds no access line of its own (the app logs each request).
     assert settings["accesslog"] is None
-    assert settings["logger_class"] == f"{overrides.__name__}.{overrides.NoAccessLogger.__name__}"
+    assert (
+        settings["logger_class"]
+        == f"{gunicorn_glue.__name__}.{gunicorn_glue.NoAccessLogger.__name__}"
+    )
 
 
 def test_every_code_nginx_and_gunicorn_answer_is_in_the_table_of_codes() -> None:
-    """nginx's pages and gunicorn's refusals (overrides.REFUSALS) use ERRORS' codes and statuses."""
+    """nginx's pages and gunicorn's refusals (gunicorn_glue.REFUSALS) use ERRORS' codes and statuses."""
     used = [(body["code"], returned) for returned, body in page_bodies().values()]
-    used += [(code, status) for status, code, _message in overrides.REFUSALS.values()]
+    used += [(code, status) for status, code, _message in gunicorn_glue.REFUSALS.values()]
     assert used
     assert [
         (code, status) for code, status in used if errors.ERRORS.get(code, (None,))[0] != status

@@ -1,4 +1,4 @@
-"""The library internals petstore/overrides.py (gunicorn) and petstore/ratelimit/limiter.py
+"""The library internals petstore/gunicorn_glue.py (gunicorn) and petstore/ratelimit/limiter.py
 (flask-limiter) rely on: each override does its job, or fails here loudly."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from gunicorn.workers.gthread import ThreadWorker
 from gunicorn.workers.sync import SyncWorker
 from limits.strategies import FixedWindowRateLimiter, RateLimiter
 
-from petstore import overrides
+from petstore import gunicorn_glue
 from petstore.ratelimit import limiter as limiter_module
 from petstore.ratelimit.limiter import PlanLimiter
 
@@ -141,7 +141,7 @@ def test_one_storage_error_sends_every_count_to_memory_asking_again_once_a_secon
 def json_refusals(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """use_json_refusals() for one test; gunicorn's own write_error is put back afterwards."""
     monkeypatch.setattr(gunicorn.util, "write_error", gunicorn.util.write_error)
-    overrides.use_json_refusals()
+    gunicorn_glue.use_json_refusals()
     yield
 
 
@@ -239,7 +239,7 @@ def test_gunicorn_refusals_are_the_error_json(
 
 def test_without_the_override_gunicorn_answers_html(monkeypatch: pytest.MonkeyPatch) -> None:
     """The control: gunicorn's own answer, the one the override replaces, is an HTML page."""
-    monkeypatch.setattr(gunicorn.util, "write_error", overrides.GUNICORN_WRITE_ERROR)
+    monkeypatch.setattr(gunicorn.util, "write_error", gunicorn_glue.GUNICORN_WRITE_ERROR)
     cfg = Config()
     worker = ThreadWorker(0, 0, [], None, 30, cfg, Logger(cfg))
     server, client = socket.socketpair()
@@ -257,10 +257,10 @@ def test_a_changed_write_error_stops_the_override(monkeypatch: pytest.MonkeyPatc
         raise AssertionError("never called")
 
     monkeypatch.setattr(gunicorn.util, "write_error", gunicorn.util.write_error)
-    monkeypatch.setattr(overrides, "GUNICORN_WRITE_ERROR", write_error)
-    with pytest.raises(overrides.InternalsChanged, match="write_error takes"):
-        overrides.use_json_refusals()
-    assert gunicorn.util.write_error is not overrides.write_error_json
+    monkeypatch.setattr(gunicorn_glue, "GUNICORN_WRITE_ERROR", write_error)
+    with pytest.raises(gunicorn_glue.InternalsChanged, match="write_error takes"):
+        gunicorn_glue.use_json_refusals()
+    assert gunicorn.util.write_error is not gunicorn_glue.write_error_json
 
 
 def test_a_handle_error_that_no_longer_calls_write_error_stops_the_override(
@@ -268,9 +268,9 @@ def test_a_handle_error_that_no_longer_calls_write_error_stops_the_override(
 ) -> None:
     """If Worker.handle_error stops calling util.write_error, the override would do nothing: stop."""
     monkeypatch.setattr(gunicorn.util, "write_error", gunicorn.util.write_error)
-    monkeypatch.setattr(overrides, "WRITE_ERROR_CALL", "util.write_html(client)")
-    with pytest.raises(overrides.InternalsChanged, match="no longer calls"):
-        overrides.use_json_refusals()
+    monkeypatch.setattr(gunicorn_glue, "WRITE_ERROR_CALL", "util.write_html(client)")
+    with pytest.raises(gunicorn_glue.InternalsChanged, match="no longer calls"):
+        gunicorn_glue.use_json_refusals()
 
 
 def test_gunicorn_builds_no_access_line_for_the_app_that_logs_its_own() -> None:
@@ -279,7 +279,7 @@ def test_gunicorn_builds_no_access_line_for_the_app_that_logs_its_own() -> None:
     config.set("logconfig_dict", {"version": 1, "disable_existing_loggers": False})
     built = []
 
-    class Watched(overrides.NoAccessLogger):
+    class Watched(gunicorn_glue.NoAccessLogger):
         def atoms(self, *args: Any) -> dict[str, Any]:
             built.append(args)
             return {}
@@ -339,7 +339,7 @@ def worker_on(worker_class: type[Any], listener: Any) -> Any:
 
 
 def test_a_stopping_thread_worker_stops_listening_once_its_poller_lets_go(listener: Any) -> None:
-    worker = worker_on(overrides.ThreadWorker, listener)
+    worker = worker_on(gunicorn_glue.ThreadWorker, listener)
     worker.poller = selectors.DefaultSelector()
     worker.alive = True
     worker.set_accept_enabled(True)
@@ -359,7 +359,7 @@ def test_a_stopping_thread_worker_stops_listening_once_its_poller_lets_go(listen
 def test_a_sync_worker_stops_listening_on_sigterm_and_takes_a_lost_accept_for_its_cue(
     listener: Any,
 ) -> None:
-    worker = worker_on(overrides.SyncWorker, listener)
+    worker = worker_on(gunicorn_glue.SyncWorker, listener)
     worker.alive = True
     listener.setblocking(0)
     with pytest.raises(BlockingIOError):

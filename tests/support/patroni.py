@@ -17,7 +17,8 @@ from typing import Any
 import yaml
 from psycopg import conninfo
 
-from petstore import config, db, devserver, keys, migrations
+from petstore import config, db, keys, migrations
+from petstore.dev.server import ensure_database
 from tests.support.programs import program
 from tests.support.redis_servers import RedisServer
 from tests.support.servers import (
@@ -37,10 +38,10 @@ CLUSTER_READY = 90.0
 
 
 def account() -> pwd.struct_passwd | None:
-    """Whom PostgreSQL runs as: ourselves, or petstore.embedded's system account when we are root."""
+    """Whom PostgreSQL runs as: ourselves, or petstore.dev.embedded's system account when we are root."""
     if os.geteuid() != 0:
         return None
-    from petstore import embedded
+    from petstore.dev import embedded
 
     found: pwd.struct_passwd | None = embedded._service_account()
     return found
@@ -65,7 +66,7 @@ def give_to_account(path: Path) -> None:
     for parent in path.parents:
         mode = parent.stat().st_mode
         if not mode & 0o001:
-            parent.chmod(mode | 0o001)  # traverse only, as petstore.embedded does
+            parent.chmod(mode | 0o001)  # traverse only, as petstore.dev.embedded does
 
 
 def get_json(url: str, timeout: float = 1.0) -> tuple[int, Any]:
@@ -297,7 +298,7 @@ class Cluster(Service):
         assert poll_until(first.is_primary, bool, CLUSTER_READY, 0.2), first.log()
         second.start()
         assert poll_until(second.is_sync_standby, bool, CLUSTER_READY, 0.2), second.log()
-        devserver.ensure_database(self.url("postgres"), "petstore")
+        ensure_database(self.url("postgres"), "petstore")
         with self.connect() as conn:
             migrations.upgrade(conn)
             self.key, _row = keys.issue_key(conn, "enterprise", "patroni", 10**7, 10**8)

@@ -264,7 +264,7 @@ class Gunicorn(ServerProcess):
 
         gunicorn replaces such a worker and answers on, but the connections the worker had
         accepted went unanswered (a stopping gthread worker did this once in CI, see
-        petstore/overrides.py): a test whose load happened to miss them must not pass.
+        petstore/gunicorn_glue.py): a test whose load happened to miss them must not pass.
         """
         if WORKER_FAILED in self.log_path.read_text(errors="replace"):
             raise ServerFailed(f"a gunicorn worker ended in an exception; log:\n{self.log()}")
@@ -352,36 +352,37 @@ class Gunicorn(ServerProcess):
 
 
 class ThrowawayPostgres(Service):
-    """A PostgreSQL cluster of the test's own (petstore.embedded) in `datadir`; stopped on exit."""
+    """A PostgreSQL cluster of the test's own (petstore.dev.embedded) in `datadir`; stopped on exit."""
 
     def __init__(self, datadir: Path) -> None:
         self.datadir = datadir
 
     def start(self) -> str:
         """Start the cluster (created on first use) and return its server URL; idempotent."""
-        from petstore import embedded
+        from petstore.dev import embedded
 
         server_url: str = embedded.ensure_running(self.datadir)
         return server_url
 
     def stop(self) -> None:
         """Fast shutdown: every connection is cut; idempotent."""
-        from petstore import embedded
+        from petstore.dev import embedded
 
         embedded.stop(self.datadir)
 
     def url(self, dbname: str = "postgres") -> str:
         """The libpq URL of database `dbname` on this cluster."""
-        from petstore import embedded
+        from petstore.dev import embedded
 
         database_url: str = embedded.url(self.datadir, dbname)
         return database_url
 
     def migrated_database(self, dbname: str) -> str:
         """Create database `dbname` here if it is missing and migrate it; its libpq URL."""
-        from petstore import config, db, devserver, migrations
+        from petstore import config, db, migrations
+        from petstore.dev.server import ensure_database
 
-        devserver.ensure_database(self.url(), dbname)
+        ensure_database(self.url(), dbname)
         database_url = self.url(dbname)
         with db.connect(config.from_environ({"DATABASE_URL": database_url})) as conn:
             migrations.upgrade(conn)

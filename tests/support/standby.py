@@ -2,7 +2,7 @@
 
 The standby is made by pg_basebackup from the primary and may replay with a delay
 (recovery_min_apply_delay), as a standby that falls behind does. Both run in the foreground as
-the account petstore.embedded uses under root; stopping one is a fast shutdown (SIGINT).
+the account petstore.dev.embedded uses under root; stopping one is a fast shutdown (SIGINT).
 """
 
 from __future__ import annotations

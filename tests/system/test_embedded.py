@@ -1,4 +1,4 @@
-"""Tests of petstore.embedded against real PostgreSQL servers in temporary directories."""
+"""Tests of petstore.dev.embedded against real PostgreSQL servers in temporary directories."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 
-from petstore import embedded
+from petstore.dev import embedded
 from tests.support.servers import accepts_connections, alive
 
 

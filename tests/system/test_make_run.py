@@ -18,7 +18,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from petstore import db, embedded
+from petstore import db
+from petstore.dev import embedded
 from tests.support.servers import LOOPBACK, ROOT, Gunicorn, free_port
 
 PETSTORE = Path(sys.executable).parent / "petstore"

@@ -1,6 +1,6 @@
 """docs/deploying.rst's "Patroni on one machine, step by step", run as written on loopback (as root):
-etcd, two Patroni nodes from deploy/patroni.yml, the role and database, the migrations through the
-multi-host URL, every password in a file and none on a command line."""
+etcd, two Patroni nodes from deploy/patroni.yml, HAProxy from deploy/haproxy.cfg, the role and
+database, the migrations through HAProxy, every password in a file and none on a command line."""
 
 from __future__ import annotations
 
@@ -37,15 +37,24 @@ def workdir() -> Iterator[Path]:
     """The guide's PATRONI_DIR: one postgres may traverse (pytest's own are root's alone)."""
     if os.geteuid() != 0:
         pytest.skip("the guide runs as root (Patroni as the postgres user)")
-    for name in ("etcd", "patroni", "psql", "runuser", "openssl", "curl"):
+    for name in ("etcd", "patroni", "haproxy", "psql", "runuser", "openssl", "curl"):
         program(name)
     path = Path(tempfile.mkdtemp(prefix="petstore-patroni-guide-"))
     path.chmod(0o755)
     yield path
     # Only what the guide started: each from its pid file, the whole session it leads.
+    stop_haproxy(path / "haproxy.pid")
     for pid_file in (path / "db1" / "patroni.pid", path / "db2" / "patroni.pid", path / "etcd.pid"):
         stop_session(pid_file)
     shutil.rmtree(path, ignore_errors=True)
+
+
+def stop_haproxy(pid_file: Path) -> None:
+    """SIGTERM to the HAProxy the guide started in the background (-D), by its pid file."""
+    try:
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    except (OSError, ValueError):
+        return
 
 
 def stop_session(pid_file: Path) -> None:
@@ -79,6 +88,7 @@ def test_the_patroni_guide_runs_as_written(workdir: Path) -> None:
         "ETCD_PEER_PORT": str(free_port()),
         "PG_PORTS": f"{free_port()} {free_port()}",
         "REST_PORTS": f"{free_port()} {free_port()}",
+        "HAPROXY_PORT": str(free_port()),
     }
     environ.pop("DATABASE_URL", None)
     # A password never goes on a command line or into the URL: only variables and files.
@@ -99,20 +109,23 @@ def test_the_patroni_guide_runs_as_written(workdir: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr + logs
     ports = environ["PG_PORTS"].split()
-    url = (
-        f"postgresql://petstore@127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}/petstore"
-        "?target_session_attrs=read-write"
-    )
-    # The service's way in: the URL without a password, the password from the guide's .pgpass.
+    # The service's ways in, without a password (it comes from the guide's .pgpass): writes
+    # through HAProxy reach the primary; the read URL prefers the standby.
+    found = {}
     os.environ["PGPASSFILE"] = str(workdir / "petstore.pgpass")
     try:
-        with psycopg.connect(url, connect_timeout=10) as conn:
-            user, standby, pets = conn.execute(
-                "select current_user, pg_is_in_recovery(), to_regclass('pets') is not null"
-            ).fetchone() or (None, None, None)
+        for way, url in {
+            "writes": f"postgresql://petstore@127.0.0.1:{environ['HAPROXY_PORT']}/petstore",
+            "reads": f"postgresql://petstore@127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}/petstore"
+            "?target_session_attrs=prefer-standby",
+        }.items():
+            with psycopg.connect(url, connect_timeout=10) as conn:
+                found[way] = conn.execute(
+                    "select current_user, pg_is_in_recovery(), to_regclass('pets') is not null"
+                ).fetchone()
     finally:
         del os.environ["PGPASSFILE"]
-    assert (user, standby, pets) == ("petstore", False, True)
+    assert found == {"writes": ("petstore", False, True), "reads": ("petstore", True, True)}
     # One node leads, the other follows it synchronously (Patroni's REST API on each).
     roles = sorted(
         path

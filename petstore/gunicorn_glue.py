@@ -1,32 +1,12 @@
-"""gunicorn's internals, overridden in one module. Re-check each of these on every upgrade.
+"""gunicorn's glue, named in deploy/gunicorn.conf.py: the Error JSON for its refusals, no access
+log of its own, and workers that stop listening as soon as they stop. Each overrides gunicorn's
+internals: re-check them on every upgrade (tests/app/test_overrides.py fails loudly when one is
+gone or has changed shape).
 
-tests/app/test_overrides.py fails loudly when one of them is gone or has changed shape.
-
-gunicorn: when it cannot parse a request (a request line, a header, a chunked body it refuses),
-its worker's ``handle_error`` answers through ``gunicorn.util.write_error``, which writes an HTML
-page. ``use_json_refusals()`` puts ``write_error_json`` in its place, so those refusals are the
-Error JSON like every other answer, whatever the worker class. deploy/gunicorn.conf.py calls it.
-
-gunicorn's logger: given a logging configuration (logconfig_dict), gunicorn builds the fields
-of its access log line for every request even when no access log is wanted, then drops the
-line. `NoAccessLogger` (deploy/gunicorn.conf.py's logger_class) skips it: the app writes its
-own line (petstore.logs).
-
-The other places that rely on a library's internals, each checked by a test of its own:
-
-- petstore/ratelimit/limiter.py: flask-limiter's private attributes and hooks
-  (tests/app/test_overrides.py);
-- petstore/ratelimit/storages.py: the `limits` storages, subclassed, and their private state
-  (tests/app/test_storages.py);
-- petstore/metrics.py: the private bucket counters and sum of prometheus_client's Histogram
-  (tests/app/test_metrics.py);
-
-gunicorn's workers: a worker told to stop (SIGTERM) keeps its copy of the listening sockets open
-until it exits, so the kernel goes on accepting connections that it will never serve, and resets
-them when it goes. `SyncWorker` and `ThreadWorker` (deploy/gunicorn.conf.py's worker classes)
-close it as soon as they stop accepting: with no other process listening, a new connection is
-refused at once and nginx sends it, POSTs included, to another instance; during a release
-(USR2), the new master's workers accept it.
+The other uses of a library's internals, each checked by a test: petstore/ratelimit/limiter.py
+(flask-limiter's private attributes and hooks: tests/app/test_overrides.py),
+petstore/ratelimit/storages.py (the `limits` storages, subclassed: tests/app/test_storages.py),
+petstore/metrics.py (prometheus_client's Histogram buckets and sum: tests/app/test_metrics.py).
 """
 
 from __future__ import annotations
@@ -72,18 +52,11 @@ class InternalsChanged(RuntimeError):
     """The library no longer looks the way an override here relies on: stop, do not guess."""
 
 
-def refusal(status_int: int) -> tuple[int, str, str]:
-    """(status, code, message) the client gets for a refusal gunicorn makes with `status_int`."""
-    if status_int in REFUSALS:
-        return REFUSALS[status_int]
-    if 400 <= status_int < 500:
-        return status_int, "invalid_request", "The request is malformed."
-    return REFUSALS[500]
-
-
 def error_bytes(status_int: int) -> bytes:
-    """A whole HTTP/1.1 answer with the Error JSON: what write_error_json sends."""
-    status, code, message = refusal(status_int)
+    """A whole HTTP/1.1 answer with the Error JSON: what write_error_json sends (for a status
+    REFUSALS does not list, a 4xx is invalid_request, anything else internal_error)."""
+    other = (status_int, *REFUSALS[400][1:]) if 400 <= status_int < 500 else REFUSALS[500]
+    status, code, message = REFUSALS.get(status_int, other)
     body = (json.dumps({"code": code, "message": message, "status": status}) + "\n").encode()
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
@@ -110,22 +83,17 @@ def check_gunicorn() -> None:
     """Raise InternalsChanged unless gunicorn still answers refusals through util.write_error."""
     parameters = list(inspect.signature(GUNICORN_WRITE_ERROR).parameters)
     if parameters != WRITE_ERROR_PARAMETERS:
-        raise InternalsChanged(
-            f"gunicorn.util.write_error takes {parameters}, not {WRITE_ERROR_PARAMETERS}: "
-            "review petstore/overrides.py against this gunicorn"
-        )
-    source = inspect.getsource(gunicorn.workers.base.Worker.handle_error)
-    if WRITE_ERROR_CALL not in source:
-        raise InternalsChanged(
-            f"gunicorn's Worker.handle_error no longer calls {WRITE_ERROR_CALL}: "
-            "review petstore/overrides.py against this gunicorn"
-        )
+        changed = f"gunicorn.util.write_error takes {parameters}, not {WRITE_ERROR_PARAMETERS}"
+    elif WRITE_ERROR_CALL not in inspect.getsource(gunicorn.workers.base.Worker.handle_error):
+        changed = f"gunicorn's Worker.handle_error no longer calls {WRITE_ERROR_CALL}"
+    else:
+        return
+    raise InternalsChanged(f"{changed}: review petstore/gunicorn_glue.py against this gunicorn")
 
 
 def use_json_refusals() -> None:
-    """Make gunicorn write the Error JSON where it wrote its HTML error page; idempotent.
-
-    Called in the master (deploy/gunicorn.conf.py) before the workers fork, so every worker,
+    """Make gunicorn answer a request it cannot parse (Worker.handle_error) with the Error JSON,
+    not its HTML page; idempotent. Called in the master before the workers fork, so every worker,
     of any worker class, inherits it.
     """
     check_gunicorn()
@@ -145,7 +113,13 @@ class NoAccessLogger(gunicorn.glogging.Logger):  # type: ignore[misc]
 
 
 def close_listeners(worker: Any) -> None:
-    """Close the worker's own copy of each listening socket (the wrappers stay, now closed)."""
+    """Close the worker's own copy of each listening socket (the wrappers stay, now closed).
+
+    Left open until the worker exits, the kernel would go on accepting connections there that it
+    never serves, and reset them; closed, with no other process listening, a new connection is
+    refused at once and nginx sends it, POSTs included, to another instance (during a release,
+    USR2, the new master's workers accept it).
+    """
     for listener in worker.sockets:
         listener.sock.close()
 
