@@ -32,7 +32,8 @@ from opentelemetry.trace import StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.errors import Diagnostic
 
-from petstore import config, create_app, db, devserver, durable, keys, migrations, tracing, usage
+from petstore import config, create_app, db, durable, keys, migrations, tracing, usage
+from petstore.dev.server import ensure_database
 from tests.support.checks import Answer, assert_error, call
 from tests.support.servers import Gunicorn, ThrowawayPostgres, poll_until
 from tests.support.standby import PostgresServer, make_primary, make_standby
@@ -344,7 +345,7 @@ def test_a_ban_the_429_announced_is_on_the_standby_promoted_after_a_crash(
     primary killed right after (kill -9: it sends nothing more), the standby promoted, the ban is
     there, and an app on it refuses the key as banned."""
     primary, standby = standby_pair
-    devserver.ensure_database(primary.url(), APP_DBNAME)
+    ensure_database(primary.url(), APP_DBNAME)
     with db.connect(config.from_environ({"DATABASE_URL": primary.url(APP_DBNAME)})) as conn:
         migrations.upgrade(conn)
         secret, row = keys.issue_key(conn, "free", "banned before the crash", 1, 1000)
