@@ -60,11 +60,6 @@ class Migration:
     text: str
 
     @property
-    def version(self) -> str:
-        """The file name without .sql, as /readyz reports it."""
-        return self.name.removesuffix(".sql")
-
-    @property
     def in_transaction(self) -> bool:
         """Whether it runs as one transaction (unless its first line says otherwise)."""
         return not self.text.lstrip().startswith(NO_TRANSACTION)
@@ -277,8 +272,7 @@ def drop_if_invalid(conn: Connection, index: str) -> None:
 
 # Quoted text, dollar-quoted bodies and comments, in which a semicolon ends nothing.
 _SKIPPED = re.compile(
-    r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|(\$[a-zA-Z_0-9]*\$).*?\1|--[^\n]*|/\*.*?\*/",
-    re.DOTALL,
+    r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|(\$[a-zA-Z_0-9]*\$).*?\1|--[^\n]*|/\*.*?\*/", re.DOTALL
 )
 
 

@@ -1,11 +1,8 @@
 """The OpenAPI document of the API, built by apispec from what each resource declares beside its views.
 
-A views module's blueprint is a `Resource`: its tag, the schema and header components its
-operations use, and each operation, routed and described by one decorator,
-`@bp.operation(rule, method, operation_id, describe)`, where `describe(config)` returns
-operation_object(summary, description, ok(...), errors(...)). The builders take what every
-operation shares from here and each status's Error codes from errors.ERRORS. build_document
-collects the resources; this module imports no view.
+Each operation is routed and described by `@bp.operation(rule, method, operation_id, describe)`
+on a `Resource`; `describe(config)` returns operation_object(summary, description, ok(...),
+errors(...)), the Error codes from errors.ERRORS. This module imports no view.
 """
 
 from __future__ import annotations
@@ -336,7 +333,6 @@ def add_components(spec: APISpec) -> None:
 # What the document says of one operation, from the app's settings: its Operation Object but for
 # the operationId and the tags, which the decorator and the resource give.
 Describe = Callable[[Settings], Object]
-# A view function, kept as it is by the decorator that routes it.
 View = TypeVar("View", bound=Callable[..., Any])
 
 # A variable of a Flask rule, `<pet_id>` or `<int:pet_id>` (flask-smorest's rule_to_path reads
@@ -444,17 +440,14 @@ def operation_ids(resources: Iterable[Resource]) -> dict[str, str]:
     }
 
 
-# The first server without PETSTORE_BASE_URL: relative, so it resolves against wherever the
-# document was fetched from (OpenAPI 3.0.3, Server Object), with no Host header involved.
-RELATIVE_BASE_URL = "/v1"
-
-
 def servers(config: Settings) -> list[dict[str, str]]:
     """From configuration only: PETSTORE_BASE_URL or "/v1"; staging after, when it is set."""
     if config.get("PUBLIC_BASE_URL"):
         found = [{"url": config["PUBLIC_BASE_URL"], "description": "Production"}]
     else:
-        found = [{"url": RELATIVE_BASE_URL, "description": "This server"}]
+        # Relative: it resolves against wherever the document was fetched from (OpenAPI 3.0.3,
+        # Server Object), with no Host header involved.
+        found = [{"url": "/v1", "description": "This server"}]
     if config.get("STAGING_BASE_URL"):
         found.append({"url": config["STAGING_BASE_URL"], "description": "Staging"})
     return found

@@ -34,10 +34,9 @@ READ_RECONNECT_TIMEOUT = 1.0
 READ_CONNECTION_LIFETIME = 60.0
 # A worker asks its standby how far behind it is at most once per this many seconds.
 LAG_CHECK_SECONDS = 1.0
-# How far behind a standby is (seconds): 0 when it has replayed all the WAL it received (caught
-# up; also when it streams nothing yet, just started), else the time since the primary committed
-# the last transaction it replayed (unknown, null, when it replayed none since it started). On a
-# primary (prefer-standby fell back to one): 0.
+# How far behind a standby is (seconds): 0 when it has replayed all the WAL it received (or
+# streams nothing yet), or on a primary (prefer-standby fell back to one); else the time since the
+# primary committed the last transaction it replayed (null when it replayed none yet).
 STANDBY_LAG = """
 select case when not pg_is_in_recovery()
                  or coalesce(pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn(), true)
@@ -88,12 +87,8 @@ class Standbys:
         self.rests_until = time.monotonic() + READ_POOL_REST
 
     def take(self) -> Connection:
-        """A connection to a standby, within READ_POOL_TIMEOUT.
-
-        A standby that restarted cut every idle connection alike: at the first one found cut,
-        all the broken ones are dropped (the pool tests its idle connections, each cut one fails
-        at once) and new ones are made, rather than one broken connection per read.
-        """
+        """A connection to a standby, within READ_POOL_TIMEOUT; the first one found cut makes the
+        pool test its idle ones (a restart cuts them all), as db.get_conn does."""
         conn = self.pool.getconn(timeout=READ_POOL_TIMEOUT)
         if cut_while_idle(conn):
             self.pool.putconn(conn)

@@ -12,15 +12,7 @@ import json
 from importlib import metadata, resources
 from pathlib import Path
 
-from flask import (
-    Blueprint,
-    Response,
-    abort,
-    current_app,
-    redirect,
-    send_from_directory,
-    url_for,
-)
+from flask import Blueprint, Response, abort, current_app, redirect, send_from_directory, url_for
 from flask.blueprints import BlueprintSetupState
 from markupsafe import escape
 

@@ -19,7 +19,6 @@ from petstore.web import json_response
 bp = Blueprint("health", __name__)
 log = logging.getLogger(__name__)
 
-# The version this code is (setup.cfg's), as the installed package's metadata says.
 VERSION = metadata.version("petstore")
 
 
