@@ -202,22 +202,25 @@ def get_pool() -> ConnectionPool[Connection]:
 
 
 def get_conn() -> Connection:
-    """The request's connection (autocommit), taken from the pool on first use.
+    """The request's connection (autocommit), taken from the pool on first use."""
+    if "conn" not in g:
+        g.conn = take_live(get_pool())
+    conn: Connection = g.conn
+    return conn
+
+
+def take_live(pool: ConnectionPool[Connection], timeout: float | None = None) -> Connection:
+    """A connection of `pool`; when the one it gave was cut, the pool tests its idle ones first.
 
     A restart of PostgreSQL cuts the pool's idle connections without the pool noticing: the
-    server's farewell waits unread on the socket. So one with anything to read makes the pool
-    test its idle connections and hand out a live one: polling costs a microsecond, where
-    testing every connection before handing it out would cost a round trip.
+    server's farewell waits unread on the socket. Polling it costs a microsecond, where testing
+    every connection before handing it out would cost a round trip.
     """
-    if "conn" not in g:
-        pool = get_pool()
-        taken = pool.getconn()
-        if cut_while_idle(taken):
-            pool.putconn(taken)
-            pool.check()
-            taken = pool.getconn()
-        g.conn = taken
-    conn: Connection = g.conn
+    conn = pool.getconn(timeout=timeout)
+    if cut_while_idle(conn):
+        pool.putconn(conn)
+        pool.check()
+        conn = pool.getconn(timeout=timeout)
     return conn
 
 
@@ -256,9 +259,8 @@ def close_request_connection() -> None:
 def discard_read_only_connections() -> None:
     """After a write met a read-only server (a standby, a demoted primary), replace every connection.
 
-    The pool's other connections went to the same server, most likely: each is closed, idle
-    ones now and those in use when they come back, and new ones follow DATABASE_URL's
-    target_session_attrs=read-write to the primary. So no write meets a standby twice in a row.
+    The others most likely went to the same server: idle ones are closed now, those in use when
+    they come back, and new ones follow target_session_attrs=read-write to the primary.
     """
     conn = g.pop("conn", None)
     pool = get_pool()

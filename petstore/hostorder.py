@@ -88,10 +88,8 @@ def ordered_connection_class() -> type[psycopg.Connection[DictRow]]:
                 or "any"
             )
             conninfo = psycopg.conninfo.make_conninfo(conninfo, target_session_attrs=attrs)
-            if attrs == "prefer-standby" or params.get("load_balance_hosts") not in (
-                None,
-                "disable",
-            ):
+            balanced = params.get("load_balance_hosts", "disable") != "disable"
+            if attrs == "prefer-standby" or balanced:
                 return super().connect(conninfo, **kwargs)
             hosts = split_hosts(params) or [{}]
             # libpq's check could refuse a host by a pooler's stale word: ours replaces it.

@@ -416,21 +416,6 @@ class Resource(Blueprint):
                 spec.components.header(component_id, header)
 
 
-def add_paths(spec: APISpec, config: Settings, resources: Iterable[Resource]) -> None:
-    """The resources' operations, grouped by path."""
-    paths: dict[str, dict[str, Any]] = {}
-    for resource in resources:
-        for operation in resource.operations:
-            # The resource's tag, in the place the Operation Object's fields usually take.
-            paths.setdefault(operation.path, {})[operation.method] = {
-                "operationId": operation.operation_id,
-                "tags": [resource.tag["name"]],
-                **operation.describe(config),
-            }
-    for path, operations in paths.items():
-        spec.path(path, operations=operations)
-
-
 def operation_ids(resources: Iterable[Resource]) -> dict[str, str]:
     """Flask endpoint -> operationId of each of the resources' operations."""
     return {
@@ -468,9 +453,17 @@ def build_document(config: Settings, resources: Iterable[Resource]) -> dict[str,
         tags=[resource.tag for resource in resources],
     )
     add_components(spec)
+    paths: dict[str, dict[str, Any]] = {}  # the resources' operations, grouped by path
     for resource in resources:
         resource.add_components(spec, config)
-    add_paths(spec, config, resources)
+        for operation in resource.operations:
+            paths.setdefault(operation.path, {})[operation.method] = {
+                "operationId": operation.operation_id,
+                "tags": [resource.tag["name"]],
+                **operation.describe(config),
+            }
+    for path, operations in paths.items():
+        spec.path(path, operations=operations)
     document = spec.to_dict()
     # The usual reading order: what it is, where, then what it offers.
     document["info"] = {key: document["info"][key] for key in ("title", "version", "description")}

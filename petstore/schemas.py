@@ -184,7 +184,6 @@ class ErrorSchema(Schema):
     status = fields.Integer(
         required=True, metadata={"description": "The HTTP status code.", "example": 400}
     )
-    # Only a validation 400 carries it (petstore.web.validate); never any other status.
     errors = fields.Dict(
         keys=fields.String(),
         values=fields.List(fields.String()),

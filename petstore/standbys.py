@@ -14,7 +14,7 @@ import psycopg
 from flask import Flask, current_app
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from petstore.db import Connection, cut_while_idle, get_conn, open_pool
+from petstore.db import Connection, get_conn, open_pool, take_live
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +86,6 @@ class Standbys:
         )
         self.rests_until = time.monotonic() + READ_POOL_REST
 
-    def take(self) -> Connection:
-        """A connection to a standby, within READ_POOL_TIMEOUT; the first one found cut makes the
-        pool test its idle ones (a restart cuts them all), as db.get_conn does."""
-        conn = self.pool.getconn(timeout=READ_POOL_TIMEOUT)
-        if cut_while_idle(conn):
-            self.pool.putconn(conn)
-            self.pool.check()
-            conn = self.pool.getconn(timeout=READ_POOL_TIMEOUT)
-        return conn
-
     def too_far_behind(self, conn: Connection) -> bool:
         """Whether the standby was more than max_lag seconds behind when last asked (at most once
         per LAG_CHECK_SECONDS per worker, on the read's own connection)."""
@@ -128,7 +118,7 @@ def read_on_standby_if_any(query: Callable[..., T], *args: Any, **kwargs: Any) -
     if standbys is None or standbys.resting():
         return query(get_conn(), *args, **kwargs)
     try:
-        conn = standbys.take()
+        conn = take_live(standbys.pool, READ_POOL_TIMEOUT)
     except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
         standbys.rest(exc)
         return query(get_conn(), *args, **kwargs)
