@@ -189,12 +189,6 @@ def init_app(app: Flask) -> None:
     app.teardown_appcontext(_release_conn)
 
 
-def get_timeout_pin() -> TimeoutPin | None:
-    """What the current app's new connections found of the statement timeout (None: no pools)."""
-    pin: TimeoutPin | None = current_app.extensions.get("petstore.timeout_pin")
-    return pin
-
-
 def get_pool() -> ConnectionPool[Connection]:
     """The pool of the current app."""
     pool: ConnectionPool[Connection] = current_app.extensions["petstore.pool"]

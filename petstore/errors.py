@@ -90,11 +90,7 @@ class APIError(Exception):
 
 
 def error_response(
-    status: int,
-    code: str,
-    message: str,
-    headers: Any = None,
-    errors: dict[str, Any] | None = None,
+    status: int, code: str, message: str, headers: Any = None, errors: dict[str, Any] | None = None
 ) -> Response:
     """The one way an Error body is built."""
     body: dict[str, Any] = {"code": code, "message": message, "status": status}

@@ -87,14 +87,9 @@ class GaveUp(Exception):
     """A migration did not get its lock within the retries: nothing of it is applied."""
 
 
-def shipped() -> Traversable:
-    """The migrations shipped with the package: sql/, reached as petstore/sql."""
-    return resources.files("petstore").joinpath("sql")
-
-
 def migrations(directory: Traversable | Path | None = None) -> list[Migration]:
-    """Every numbered migration of `directory` (default: sql/), in order."""
-    files = directory or shipped()
+    """Every numbered migration of `directory` (default: sql/, shipped as petstore/sql), in order."""
+    files = directory or resources.files("petstore").joinpath("sql")
     names = sorted(f.name for f in files.iterdir() if MIGRATION_NAME.match(f.name))
     return [Migration(name, files.joinpath(name).read_text(encoding="utf-8")) for name in names]
 
