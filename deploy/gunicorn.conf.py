@@ -19,12 +19,21 @@ import tempfile
 from typing import Any
 
 # PROMETHEUS_MULTIPROC_DIR: where the workers write their metrics for GET /metrics to sum
-# (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own
-# and removes it however it exits (below); several instances on one host need one directory each.
+# (prometheus_client's multiprocess mode). Unset, the master makes a fresh directory of its own,
+# named by its pid, and removes it however it exits but SIGKILL (below), after removing those of
+# killed masters; several instances on one host need one directory each.
 # Set first, before petstore is imported (below, for the settings check): prometheus_client reads
 # it once, on import, and the workers inherit it.
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="petstore-metrics-")
+    # First the directories of masters killed before they could remove theirs (kill -9, the OOM
+    # killer), and only those: each is named by its master's pid, which no longer runs.
+    for _left in glob.glob(os.path.join(tempfile.gettempdir(), "petstore-metrics-*-*")):
+        _pid = os.path.basename(_left).split("-")[2]
+        if _pid.isdigit() and not os.path.exists(f"/proc/{_pid}"):
+            shutil.rmtree(_left, ignore_errors=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
+        prefix=f"petstore-metrics-{os.getpid()}-"
+    )
     # Remembered in the environment: a reload (SIGHUP) reads this file again.
     os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 

@@ -2,7 +2,7 @@
 # One host: each run installs this checkout as a new release beside the ones before it and serves
 # it without refusing a request. Run from the checkout (after `git pull` too), as root on Debian
 # with PostgreSQL on this machine:
-#     apt-get install -y python3-venv postgresql curl openssl && bash deploy/install.sh
+#     apt-get install -y python3-venv postgresql curl openssl logrotate && bash deploy/install.sh
 # In order:
 #   1. the system user petstore: reads the releases, writes PETSTORE_STATE_DIR only;
 #   2. the release PETSTORE_HOME/releases/<time>-<commit>: its own venv (this checkout's wheel and
@@ -29,6 +29,7 @@
 #                       first key is kept beside it, its .env replaced by .key (/etc/petstore.key)
 #   PETSTORE_STATE_DIR  gunicorn's pid file and log (/var/lib/petstore)
 #   PETSTORE_USER       the system user the service runs as, created when missing (petstore)
+#   PETSTORE_LOGROTATE  where the log's logrotate part goes, without systemd (/etc/logrotate.d/petstore)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,6 +45,7 @@ user=${PETSTORE_USER:-petstore}
 pid_file=$state/gunicorn.pid
 log=$state/gunicorn.log
 key_file=${env_file%.env}.key
+logrotate=${PETSTORE_LOGROTATE:-/etc/logrotate.d/petstore}
 release=$home/releases/$(date -u +%Y%m%d-%H%M%S)-$(git rev-parse --short HEAD 2>/dev/null || echo checkout)
 previous=$(readlink "$home/current" || true)
 # systemd as PID 1 (sd_booted's test) runs deploy/petstore.service; elsewhere, the background.
@@ -233,6 +235,15 @@ mkdir -p "$state"
 touch "$log"
 chown "$user:$user" "$state" "$log"
 chmod 750 "$state"
+# Without systemd the log is a file that grows by a line per request: logrotate keeps 14 days.
+if [ "$manager" = background ]; then
+    mkdir -p "$(dirname "$logrotate")"
+    sed -e "s|/var/lib/petstore/gunicorn.log|$log|" -e "s|su petstore petstore|su $user $user|" \
+        deploy/petstore.logrotate >"$logrotate.new"
+    chmod 644 "$logrotate.new" && mv "$logrotate.new" "$logrotate"
+    [ -x /usr/sbin/logrotate ] || command -v logrotate >/dev/null ||
+        echo "logrotate is not installed: $log grows until it is (apt-get install logrotate)"
+fi
 # What serves now, if anything; refused before anything changes: a release under way, and a move
 # to another address (a new master keeps the old one's socket).
 old=$(cat "$pid_file" 2>/dev/null || true)
@@ -330,7 +341,7 @@ start() {
 if [ "$manager" = systemd ]; then
     echo "== 6. gunicorn under systemd: petstore.service, enabled at boot, restarted when it fails"
 else
-    echo "== 6. gunicorn as $user in the background (no systemd as PID 1: nothing restarts it); log: $log"
+    echo "== 6. gunicorn as $user in the background (no systemd as PID 1: nothing restarts it); log: $log, rotated by $logrotate"
 fi
 if [ -z "$old" ]; then
     start

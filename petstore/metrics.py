@@ -88,6 +88,15 @@ LATENCY_BUCKETS = (
 # How often each worker writes its pool and limiter gauges (see Sampler).
 SAMPLE_SECONDS = 1.0
 
+# Each worker's own process numbers, one series per live worker labelled by its pid ("liveall"):
+# multiprocess mode leaves out prometheus_client's ProcessCollector, which would report the worker
+# that answers a scrape only (and reads /proc/stat, which the systemd unit's ProcSubset=pid hides).
+PROCESS_GAUGES = {
+    "cpu": ("petstore_worker_cpu_seconds", "CPU time (user and system) the worker has used."),
+    "rss": ("petstore_worker_resident_memory_bytes", "The worker's resident memory."),
+    "fds": ("petstore_worker_open_fds", "File descriptors the worker has open."),
+}
+
 # psycopg's "database unavailable" errors -> a fixed label, the most specific first.
 DATABASE_ERROR_KINDS: tuple[tuple[type[Exception], str], ...] = (
     (CommitNotReplicated, "commit_not_replicated"),
@@ -163,6 +172,8 @@ class Metrics:
     pool_waiting: Gauge
     statement_timeout_unpinned: Gauge
     build_info: Gauge
+    # PROCESS_GAUGES' keys -> the gauge.
+    process: dict[str, Gauge]
     registry: CollectorRegistry
     # Flask endpoint -> the operation its requests are counted by (any other: UNKNOWN).
     operations: dict[str, str]
@@ -207,6 +218,7 @@ class Metrics:
             self.statement_timeout_unpinned,
             self.build_info,
         )
+        yield from self.process.values()
 
 
 def build(operation_ids: Mapping[str, str]) -> Metrics:
@@ -307,6 +319,10 @@ def build(operation_ids: Mapping[str, str]) -> Metrics:
             registry=None,
             multiprocess_mode="livemax",
         ),
+        process={
+            key: Gauge(name, text, registry=None, multiprocess_mode="liveall")
+            for key, (name, text) in PROCESS_GAUGES.items()
+        },
         # Not auto_describe: registering the multiprocess collector would read every worker's
         # file, and fail on the empty one a worker booting beside it has just created.
         registry=CollectorRegistry(),
@@ -378,11 +394,25 @@ def ratelimit_storage_failed() -> None:
     get_metrics().ratelimit_storage_errors.inc()
 
 
+def process_numbers() -> dict[str, float]:
+    """This process's CPU seconds, and on Linux its resident bytes and open descriptors (PROCESS_GAUGES)."""
+    numbers = {"cpu": time.process_time()}
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            numbers["rss"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGESIZE")
+        numbers["fds"] = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        pass
+    return numbers
+
+
 def sample(app: Flask) -> None:
     """Write this worker's tally and gauges: its pool's size, connections in use, waiting requests,
-    an unpinned statement timeout, the limiter's fallback."""
+    an unpinned statement timeout, the limiter's fallback, its CPU, memory and descriptors."""
     metrics: Metrics = app.extensions[EXTENSION]
     metrics.flush()
+    for key, value in process_numbers().items():
+        metrics.process[key].set(value)
     pool = app.extensions.get("petstore.pool")
     if pool is not None and not pool.closed:
         stats = pool.get_stats()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import logging
+import os
 import pkgutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -220,6 +223,24 @@ def test_pool_gauges_and_build_info(make_app: Callable[..., Flask]) -> None:
     assert value(samples, "petstore_db_pool_requests_waiting") == 0
     version = importlib.metadata.version("petstore")
     assert value(samples, "petstore_build_info", version=version, getpet_sunset="2030-12-05") == 1
+
+
+def test_each_scrape_gives_this_process_cpu_memory_and_descriptors(client: FlaskClient) -> None:
+    """The process gauges: under gunicorn one series per live worker, labelled by its pid."""
+    first = scrape(client)
+    cpu = value(first, "petstore_worker_cpu_seconds")
+    assert 0 < cpu <= time.process_time()
+    rss = value(first, "petstore_worker_resident_memory_bytes")
+    assert 10 * 2**20 < rss < 4 * 2**30
+    fds = value(first, "petstore_worker_open_fds")
+    with contextlib.ExitStack() as files:
+        for _ in range(20):
+            files.enter_context(open(os.devnull, "rb"))
+        held = value(scrape(client), "petstore_worker_open_fds")
+    # The pool may close or open a connection meanwhile.
+    assert fds >= 3 and held >= fds + 15
+    sum(range(3_000_000))  # some CPU time
+    assert value(scrape(client), "petstore_worker_cpu_seconds") > cpu
 
 
 def test_a_request_holding_a_connection_shows_in_use(app: Flask) -> None:

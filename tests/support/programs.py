@@ -28,6 +28,7 @@ INSTALLERS = {
     "chromium": ".ci/install-browser",
     "chromedriver": ".ci/install-browser",
     "ip": ".ci/install-iproute2",
+    "logrotate": ".ci/install-logrotate",
     "openssl": ".ci/install-nginx",
     "curl": ".ci/install-nginx",
     "patroni": ".ci/install-patroni",

@@ -29,6 +29,7 @@ from petstore import config, db, keys
 from tests.support.checks import call
 from tests.support.load import MixedLoad, assert_nothing_refused, under_load
 from tests.support.nginx import Nginx, nginx_binary
+from tests.support.programs import program
 from tests.support.releases import (
     INSTALL_SCRIPT,
     SYSTEM_PYTHON,
@@ -192,9 +193,11 @@ def test_install_script_releases_again_and_again_without_refusing_a_request(
         "PETSTORE_ENV": str(workdir / "petstore.env"),
         "PETSTORE_STATE_DIR": str(state),
         "PETSTORE_USER": service_user,
+        "PETSTORE_LOGROTATE": str(workdir / "logrotate" / "petstore"),
         "RATELIMIT_STORAGE_URI": "memory://",
     }
     pid_file = state / "gunicorn.pid"
+    log = state / "gunicorn.log"
 
     def master() -> int:
         return int(pid_file.read_text())
@@ -210,6 +213,24 @@ def test_install_script_releases_again_and_again_without_refusing_a_request(
         first_users = [process_user(pid) for pid in (first_pid, *workers_of(first_pid))]
         first_interpreter = interpreter_of(first_pid)
         settings = dict(line.split("=", 1) for line in first_env.splitlines())
+
+        # The log rotated by the logrotate part install.sh wrote, as logrotate's daily run does
+        # (forced): what gunicorn logged so far in gunicorn.log.1, its next lines in gunicorn.log.
+        before_rotation = log.read_text()
+        rotated = subprocess.run(
+            [
+                program("logrotate"),
+                "--force",
+                "--state",
+                str(workdir / "logrotate.state"),
+                environ["PETSTORE_LOGROTATE"],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        marker = call(url, "GET", "/v1/pets").headers["x-request-id"]
+        after_rotation = poll_until(log.read_text, lambda text: marker in text, 10.0)
 
         def connect() -> db.Connection:
             return db.connect(config.from_environ({"DATABASE_URL": settings["DATABASE_URL"]}))
@@ -287,6 +308,15 @@ def test_install_script_releases_again_and_again_without_refusing_a_request(
         0o640,
     )
     assert settings["BIND"] == bind
+
+    logrotate = Path(environ["PETSTORE_LOGROTATE"]).read_text()
+    assert f"\n{log} {{\n    su {service_user} {service_user}\n" in logrotate
+    assert rotated.returncode == 0, rotated.stdout + rotated.stderr
+    assert "Listening at:" in before_rotation
+    assert (state / "gunicorn.log.1").read_text().startswith(before_rotation)
+    # Emptied, not replaced: gunicorn writes on at its start (>>, O_APPEND), no hole of zeros.
+    assert marker in after_rotation and "Listening at:" not in after_rotation
+    assert not after_rotation.startswith("\0")
     database = conninfo.conninfo_to_dict(settings["DATABASE_URL"])
     assert (database["user"], database["dbname"]) == (name, name)
 

@@ -191,7 +191,7 @@ def test_prometheus_sums_two_workers_of_known_traffic(
         dead = before[0]
         os.kill(dead, signal.SIGKILL)
         lingering = poll_until(
-            (metrics_dir / f"gauge_livesum_{dead}.db").exists, lambda x: not x, 20.0
+            lambda: sorted(metrics_dir.glob(f"gauge_live*_{dead}.db")), lambda x: not x, 20.0
         )
         assert not lingering, "child_exit removes a dead worker's live gauges"
         workers = poll_until(
@@ -210,6 +210,14 @@ def test_prometheus_sums_two_workers_of_known_traffic(
         # Two workers' pools, not three: a lingering file of the dead one would make it 6.
         pool = "sum(petstore_db_pool_size)"
         assert prometheus.wait_value(pool, float(WORKERS * THREADS)) == WORKERS * THREADS
+        # Each live worker's process numbers, by pid; the dead one's went with its file.
+        by_pid = "count by (pid) (petstore_worker_resident_memory_bytes)"
+        pids = poll_until(
+            lambda: {series["metric"]["pid"] for series in prometheus.query(by_pid)},
+            lambda got: got == {str(pid) for pid in workers},
+            20.0,
+        )
+        assert pids == {str(pid) for pid in workers}
         assert show(prometheus, requests.format("listPets", 200)) == 35.0
 
 
@@ -268,3 +276,33 @@ def test_promtool_accepts_the_kubernetes_scrape_config_beside_the_rules(tmp_path
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS: 1 rule files found" in checked.stdout
+
+
+def test_a_start_removes_the_metrics_directory_a_killed_master_left_and_only_that(
+    database_url: str, redis_url: str, conn: db.Connection, tmp_path: Path
+) -> None:
+    """kill -9 leaves the master's own directory behind (its clean-up never runs); the next start
+    removes it, and keeps a running instance's and one whose name has no pid."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    # No PROMETHEUS_MULTIPROC_DIR: each master makes its own, in TMPDIR.
+    environ = {"DATABASE_URL": database_url, "RATELIMIT_STORAGE_URI": redis_url, "TMPDIR": str(tmp)}
+    unnamed = tmp / "petstore-metrics-k2x9_q0a"  # as an earlier release named them: kept
+    unnamed.mkdir()
+    with DeployedGunicorn(environ, tmp_path / "running.log", workers=1, threads=1) as running:
+        (running_dir,) = tmp.glob(f"petstore-metrics-{running.pid}-*")
+        with DeployedGunicorn(environ, tmp_path / "killed.log", workers=1, threads=1) as killed:
+            (left,) = tmp.glob(f"petstore-metrics-{killed.pid}-*")
+            assert killed.process is not None
+            os.kill(killed.pid, signal.SIGKILL)
+            killed.process.wait(timeout=10)
+        # Its workers are gone too (stop() kills its process group); its directory stays.
+        assert left.exists() and any(left.glob("*.db"))
+        with DeployedGunicorn(environ, tmp_path / "again.log", workers=1, threads=1) as again:
+            (own,) = tmp.glob(f"petstore-metrics-{again.pid}-*")
+            assert not left.exists(), "the next start removes a dead master's directory"
+            assert running_dir.exists() and unnamed.exists()
+            scrape = call(running.url, "GET", "/metrics")
+            assert scrape.status == 200 and "petstore_build_info{" in scrape.raw.decode()
+        assert not own.exists()
+    assert sorted(tmp.iterdir()) == [unnamed]

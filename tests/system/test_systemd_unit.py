@@ -495,7 +495,11 @@ def test_the_service_runs_reloads_and_releases_under_the_units_sandbox(
                 )
                 assert created.status == 201, created.body
                 assert call(url, "GET", "/v1/pets", headers=auth).status == 200
-                assert call(url, "GET", "/metrics").status == 200
+                scrape = call(url, "GET", "/metrics")
+                assert scrape.status == 200
+                # ProcSubset=pid hides /proc/stat: each worker's process numbers read /proc/self.
+                for gauge in ("cpu_seconds", "resident_memory_bytes", "open_fds"):
+                    assert f"petstore_worker_{gauge}{{pid=" in scrape.raw.decode(), gauge
 
                 # ExecReload, with $MAINPID, in the unit's sandbox as systemd runs it.
                 workers = set(children(master.pid))
