@@ -15,17 +15,21 @@ import io
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from flask import Flask, Response
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
 from werkzeug.test import EnvironBuilder
 
 from bench.flask_floor import create_flask_floor
 from bench.measure import log
-from petstore import create_app, logs, schemas, usage, web
+from petstore import create_app, logs, schemas, tracing, usage, web
 
 PATH = "/v1/pets?limit=20"
 # Each row: how its app is made (the service's settings, or the floor), and whether it logs.
@@ -43,6 +47,8 @@ class Variant:
     request_log: bool = True
     # Off: petstore.usage.count_request replaced by a no-op while this app answers.
     usage_counting: bool = True
+    # The share of requests traced (petstore.tracing), None: off, as without OTEL_TRACES_EXPORTER.
+    tracing: float | None = None
 
 
 VARIANTS = (
@@ -53,6 +59,8 @@ VARIANTS = (
     Variant("service without the limiter", False, "memory", (("RATELIMIT_ENABLED", False),)),
     Variant("service, memory://, request log off", False, "memory", request_log=False),
     Variant("service, memory://, usage counting off", False, "memory", usage_counting=False),
+    Variant("service, memory://, tracing 1%", False, "memory", tracing=0.01),
+    Variant("service, memory://, tracing 100%", False, "memory", tracing=1.0),
     Variant(
         "service, memory://, limits' MemoryStorage",
         False,
@@ -73,10 +81,14 @@ COSTS: tuple[tuple[str, str, str, int | None], ...] = (
     ("limiter, redis://", "service, redis://", "service without the limiter", 200),
     ("request log", "service, memory://", "service, memory://, request log off", None),
     ("usage counting", "service, memory://", "service, memory://, usage counting off", 15),
+    ("tracing at 1%", "service, memory://, tracing 1%", "service, memory://", 30),
+    ("tracing at 100%", "service, memory://, tracing 100%", "service, memory://", 300),
     ("ours outside SQL and framework, memory://", "service, memory://", VARIANTS[0].name, 150),
     ("ours outside SQL and framework, redis://", "service, redis://", VARIANTS[1].name, 150),
 )
 VALIDATION_TARGET_US = 25
+# Tracing off (the extra installed, no OTEL_TRACES_EXPORTER): its hooks alone, per request.
+TRACING_OFF_TARGET_US = 5
 
 
 def make_app(variant: Variant, database_url: str, redis_url: str) -> Flask:
@@ -138,14 +150,76 @@ def no_counting(response: Response) -> None:
     """petstore.usage.count_request left out (the variant that measures its cost)."""
 
 
+class EncodingExporter:
+    """Encodes each batch as the OTLP/HTTP exporter does, and drops it; its CPU, summed."""
+
+    def __init__(self) -> None:
+        self.cpu = 0.0
+        self.spans = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        started = time.thread_time()
+        encode_spans(spans).SerializeToString()
+        self.cpu += time.thread_time() - started
+        self.spans += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        """Nothing to close."""
+
+
+def provider_sampling(ratio: float, exporter: EncodingExporter) -> Any:
+    """The service's tracer provider, sampling `ratio` of new traces, exporting to `exporter`."""
+    return tracing.make_provider(exporter, sampler=ParentBasedTraceIdRatio(ratio))
+
+
+def hooks_off(database_url: str, calls: int, rounds: int) -> float:
+    """CPU µs of the tracing hooks of one GET /v1/pets while tracing is off, best round."""
+    tracing.use(None)
+    app = create_app({"DATABASE_URL": database_url})
+
+    @tracing.statement
+    def statement() -> None:
+        """A query function's hook, with no statement."""
+
+    response = Response(status=200)
+    try:
+        best = float("inf")
+        with app.test_request_context("/v1/pets"):
+            for _ in range(rounds):
+                started = time.thread_time()
+                for _ in range(calls):
+                    opened = tracing.start_request()
+                    with tracing.span("auth.key_lookup"):
+                        tracing.annotate("petstore.key_cache", "hit")
+                    with tracing.span("ratelimit.count") as counting:
+                        counting.is_recording()
+                    statement()
+                    tracing.current_ids()
+                    tracing.finish_request(opened, response)
+                best = min(best, time.thread_time() - started)
+        return best / calls * 1e6
+    finally:
+        close_app(app)
+
+
 def measure_budget(
     database_url: str, redis_url: str, key: str, requests: int, rounds: int
-) -> tuple[Budget, dict[str, float]]:
-    """CPU and wall µs per request of each variant (best round), and validation µs per query."""
+) -> tuple[Budget, dict[str, float], float]:
+    """CPU and wall µs per request of each variant (best round), validation µs per query, and
+    the tracing hooks' µs per request while tracing is off."""
     handler = request_log_to_null()
     root = logging.getLogger()
     counting = usage.count_request
     apps = {variant: make_app(variant, database_url, redis_url) for variant in VARIANTS}
+    providers = {
+        variant: provider_sampling(variant.tracing, EncodingExporter())
+        for variant in VARIANTS
+        if variant.tracing is not None
+    }
     timings: dict[str, list[tuple[float, float]]] = {variant.name: [] for variant in VARIANTS}
     try:
         calls = {variant: caller(app, key) for variant, app in apps.items()}
@@ -153,6 +227,7 @@ def measure_budget(
             for variant, call in calls.items():
                 root.setLevel(logging.INFO if variant.request_log else logging.WARNING)
                 usage.count_request = counting if variant.usage_counting else no_counting
+                tracing.use(providers.get(variant))
                 status = call()
                 assert status == 200, f"{variant.name}: {status}"
                 cpu, wall = time.thread_time(), time.perf_counter()
@@ -163,6 +238,7 @@ def measure_budget(
                     timings[variant.name].append((cpu, wall))
     finally:
         usage.count_request = counting
+        tracing.use(None)
         for app in apps.values():
             close_app(app)
         root.setLevel(logging.WARNING)
@@ -176,7 +252,11 @@ def measure_budget(
         )
         for name, rounds_ in timings.items()
     }
-    return budget, measure_validation(requests * 4)
+    return (
+        budget,
+        measure_validation(requests * 4),
+        hooks_off(database_url, requests * 20, 3),
+    )
 
 
 def validation_queries(cursor: int) -> dict[str, dict[str, str]]:
@@ -203,7 +283,9 @@ def measure_validation(calls: int, cursor: int = 4980) -> dict[str, float]:
     return result
 
 
-def budget_table(budget: Budget, validation: dict[str, float], requests: int, rounds: int) -> str:
+def budget_table(
+    budget: Budget, validation: dict[str, float], tracing_off: float, requests: int, rounds: int
+) -> str:
     """The table in Markdown (printed to stdout as it is)."""
     lines = [
         f"In-process `GET {PATH}`: direct WSGI calls, {rounds} interleaved rounds of {requests} "
@@ -230,6 +312,11 @@ def budget_table(budget: Budget, validation: dict[str, float], requests: int, ro
             f"| validation of `{name}` (petstore.web.validate, per call) | {us:,.1f} "
             f"| ≤ {VALIDATION_TARGET_US} | {met} |"
         )
+    met = "yes" if tracing_off <= TRACING_OFF_TARGET_US else "no"
+    lines.append(
+        "| tracing off, the extra installed (petstore.tracing's hooks of one request, "
+        f"alone) | {tracing_off:,.1f} | ≤ {TRACING_OFF_TARGET_US} | {met} |"
+    )
     return "\n".join(lines)
 
 
@@ -237,5 +324,5 @@ def budget(redis_url: str, database_url: str, key: str, requests: int, rounds: i
     """The in-process per-request budget table: `rounds` of `requests` calls per app."""
     log(f"in-process budget: {rounds} rounds of {requests} direct WSGI calls per app")
     redis.Redis.from_url(redis_url, socket_timeout=5).flushdb()
-    found, validation = measure_budget(database_url, redis_url, key, requests, rounds)
-    return budget_table(found, validation, requests, rounds)
+    found, validation, tracing_off = measure_budget(database_url, redis_url, key, requests, rounds)
+    return budget_table(found, validation, tracing_off, requests, rounds)

@@ -38,7 +38,7 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PETSTORE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 from petstore import config as _config
-from petstore import gunicorn_glue
+from petstore import gunicorn_glue, tracing
 from petstore import migrations as _migrations
 
 _env = os.environ.get
@@ -91,6 +91,11 @@ try:
     _config.check(_settings)
 except _config.ConfigError as _exc:
     _refuse(str(_exc))
+
+# OTEL_TRACES_EXPORTER and its protocol, and the extra they need (petstore.tracing).
+_tracing_refused = tracing.refusal()
+if _tracing_refused:
+    _refuse(_tracing_refused)
 
 # Code newer than the database's schema does not start: before gunicorn binds, so that during a
 # release (USR2) the old master keeps serving and a new host never joins nginx's upstreams.
@@ -203,6 +208,13 @@ def child_exit(server: Any, worker: Any) -> None:
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+
+
+def post_fork(server: Any, worker: Any) -> None:
+    """In the new worker, before it loads the app: its tracer provider, when OTEL_TRACES_EXPORTER
+    asks for one (the batch processor's thread must be the worker's own; at exit the worker
+    sends what it sampled, waiting at most tracing.EXIT_FLUSH_SECONDS)."""
+    tracing.start()
 
 
 def post_worker_init(worker: Any) -> None:

@@ -15,6 +15,10 @@ exit; what must not be lost at exit is written by an atexit hook instead.
 - petstore-commit-watch (durable.CommitWatch, started by the first write): cancels a write still
   running past its bound, each cancel in a short-lived thread of its own; it lives as long as
   the process, and owns nothing that needs a goodbye.
+- OtelBatchSpanRecordProcessor (the SDK's BatchSpanProcessor, only when OTEL_TRACES_EXPORTER
+  asks: petstore.tracing.start, from gunicorn's post_fork): sends the sampled spans in batches;
+  at exit petstore-trace-flush sends the rest, the exit waiting for it at most
+  tracing.EXIT_FLUSH_SECONDS.
 - petstore-log-writer (logs.StdoutHandler, when the request log is buffered): writes the
   pending log lines every FLUSH_SECONDS; it ends when its handler is closed or gone.
 """

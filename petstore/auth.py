@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from flask import Flask, current_app, g, request
 
-from petstore import keycache
+from petstore import keycache, tracing
 from petstore.caller import Caller, caller_at
 from petstore.db import Connection
 from petstore.errors import APIError
@@ -122,9 +122,12 @@ def identify_caller(view: Callable[..., Any] | None) -> tuple[Caller | None, API
         return None, unauthorized(
             "An API key is required: send 'Authorization: Bearer <key>'.", False
         )
-    caller = (
-        keycache.current().caller(hash_key(token), find_key) if KEY_SHAPE.fullmatch(token) else None
-    )
+    with tracing.span("auth.key_lookup"):
+        caller = (
+            keycache.current().caller(hash_key(token), find_key)
+            if KEY_SHAPE.fullmatch(token)
+            else None
+        )
     if caller is None:
         return None, unauthorized("The API key is not valid.", True)
     if caller.expired:

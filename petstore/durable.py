@@ -15,6 +15,7 @@ import psycopg
 from flask import Flask, current_app
 from psycopg.errors import Diagnostic
 
+from petstore import tracing
 from petstore.db import Connection
 
 log = logging.getLogger(__name__)
@@ -125,18 +126,21 @@ def durable_write(conn: Connection) -> Iterator[None]:
 
     bound = current_app.config["DB_STATEMENT_TIMEOUT_MS"] / 1000 + COMMIT_WAIT_MARGIN
     watch: CommitWatch = current_app.extensions["petstore.commit_watch"]
-    conn.add_notice_handler(notice)
-    token = watch.watch(conn, bound)
-    try:
-        yield
-    finally:
-        watched_out = watch.unwatch(token)
-        conn.remove_notice_handler(notice)
+    # Its statements' spans include their commits' waits for the synchronous standby
+    # (autocommit); a transaction's commit, and its wait, is the time past them.
+    with tracing.span("durable.write"):
+        conn.add_notice_handler(notice)
+        token = watch.watch(conn, bound)
+        try:
+            yield
+        finally:
+            watched_out = watch.unwatch(token)
+            conn.remove_notice_handler(notice)
+            if watched_out:
+                # The watch's cancel may still be on its way: no later statement may meet it.
+                # The pool replaces a connection that comes back closed.
+                conn.close()
+        if cancelled:
+            raise CommitNotReplicated(cancelled[0])
         if watched_out:
-            # The watch's cancel may still be on its way: no later statement may meet it. The
-            # pool replaces a connection that comes back closed.
-            conn.close()
-    if cancelled:
-        raise CommitNotReplicated(cancelled[0])
-    if watched_out:
-        raise CommitNotReplicated(f"the write was cancelled after {bound:g} s")
+            raise CommitNotReplicated(f"the write was cancelled after {bound:g} s")

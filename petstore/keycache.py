@@ -21,6 +21,7 @@ from typing import Any
 
 from flask import current_app
 
+from petstore import tracing
 from petstore.caller import Caller, caller_at, next_change
 
 # Where auth.init_app keeps each app's (so each worker's) cache.
@@ -64,10 +65,12 @@ class KeyCache:
         from `find` (whose errors propagate: nothing stale stands in for the database)."""
         entry = self.entries.get(key_hash)
         if entry is not None and self.clock() < entry.fresh_until:
+            tracing.annotate("petstore.key_cache", "hit")
             now = time.time()
             if now < entry.changes_at:
                 return entry.caller
             return caller_at(entry.found, key_hash, now)
+        tracing.annotate("petstore.key_cache", "miss")
         generation = self.generation
         started = self.clock()
         found = find(key_hash)

@@ -16,6 +16,8 @@ from typing import Any
 
 from flask import Response, g, request
 
+from petstore import tracing
+
 log = logging.getLogger("petstore.access")
 
 # An incoming X-Request-ID is kept when it is this sane; anything else gets a new id.
@@ -49,6 +51,9 @@ class JSONFormatter(logging.Formatter):
             entry.update(fields)
         else:
             entry.update({k: v for k, v in vars(record).items() if k not in self.STANDARD})
+        ids = tracing.current_ids()
+        if ids is not None:  # the request's trace, beside its request id
+            entry["trace_id"], entry["span_id"] = ids
         if record.exc_info:
             entry["traceback"] = self.formatException(record.exc_info)
         return ENCODER.encode(entry)

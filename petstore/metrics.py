@@ -37,6 +37,7 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from petstore import tracing
 from petstore.config import ConfigError
 from petstore.durable import CommitNotReplicated
 
@@ -217,6 +218,7 @@ class Metrics:
             self.pool_waiting,
             self.statement_timeout_unpinned,
             self.build_info,
+            tracing.SPANS_DROPPED,
         )
         yield from self.process.values()
 
@@ -335,6 +337,8 @@ def build(operation_ids: Mapping[str, str]) -> Metrics:
         too_many_requests.labels(code=code)
     for _error, kind in DATABASE_ERROR_KINDS:
         database_errors.labels(kind=kind)
+    for reason in tracing.DROP_REASONS:
+        tracing.SPANS_DROPPED.labels(reason=reason)
     return metrics
 
 

@@ -14,22 +14,25 @@ the service's own around a view (ProxyFix, the error handlers and db's teardown 
   After counting, so the 403 spends budget.
 - view: parses with a schema, runs its queries on the request's connection (autocommit).
 - headers (budgets): X-RateLimit-* on every counted /v1 answer, errors included.
-- log (logs): the request id header and one JSON line; metrics (metrics): the request tallied
-  by operation and status, with its latency; usage (usage): a /v1 request counted for its key
-  (or the aggregate of requests without a valid key) by hour and outcome, written in batches.
+- trace (tracing, when on): the server span of a /v1 request, from here to the log, and spans
+  of the key lookup, the count, each statement and a durable write.
+- log (logs): the request id header and one JSON line (with the trace's ids); metrics
+  (metrics): the request tallied by operation and status, with its latency; usage (usage): a
+  /v1 request counted for its key (or the aggregate of requests without a valid key) by hour
+  and outcome, written in batches.
 
 A view marked auth.uncounted (GET /v1/rate_limit) skips counting, bans and scopes for a
 valid key; without one it is counted and refused like any other path.
 
 Paths outside /v1 (the health probes, /metrics) only get the request id, the log line and
-the tally.
+the tally: no trace.
 """
 
 from __future__ import annotations
 
 from flask import Flask, Response, g, request
 
-from petstore import auth, logs, metrics, usage, web
+from petstore import auth, logs, metrics, tracing, usage, web
 from petstore.errors import DATABASE_UNAVAILABLE
 from petstore.ratelimit import bans, budgets
 
@@ -39,6 +42,7 @@ def before_view() -> None:
     logs.start_request()
     if not web.in_api():
         return
+    g.trace = tracing.start_request()  # the server span, when tracing is on
     if request.method == "POST":
         # Before a pooled connection is taken: a slow body holds a thread, never a connection.
         g.body = web.read_body_or_error()
@@ -51,10 +55,13 @@ def before_view() -> None:
     g.caller = caller  # for the view (idempotency records are per key) and the log line
     if caller is not None and getattr(view, "uncounted", False):
         return  # GET /v1/rate_limit: a valid key's own standing, never counted nor refused
-    if caller is None or caller.banned_until is None:
-        g.rate_limit_headers, limited = budgets.count(caller)
-    else:
-        g.rate_limit_headers, limited = bans.refuse_banned(caller)
+    with tracing.span("ratelimit.count") as counting:
+        if caller is None or caller.banned_until is None:
+            g.rate_limit_headers, limited = budgets.count(caller)
+        else:
+            g.rate_limit_headers, limited = bans.refuse_banned(caller)
+        if counting.is_recording():
+            counting.set_attribute("petstore.ratelimit.outcome", budgets.outcome(limited))
     if limited is not None:
         g.limited_code = limited.code  # for the metrics: the 429's code, not parsed back
         raise limited
@@ -69,6 +76,7 @@ def after_view(response: Response) -> Response:
     logs.finish_request(response)
     metrics.observe_request(response, g.get("limited_code"))
     usage.count_request(response)
+    tracing.finish_request(g.get("trace"), response)
     return response
 
 

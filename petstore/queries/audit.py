@@ -5,9 +5,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from petstore import tracing
 from petstore.db import Connection
 
 
+@tracing.statement
 def insert_audit(
     conn: Connection, command: str, key_id: int | None, os_user: str, reason: str | None
 ) -> None:
@@ -21,6 +23,7 @@ def insert_audit(
     )
 
 
+@tracing.statement
 def list_audit(
     conn: Connection, key_id: int | None = None, since: datetime | None = None
 ) -> list[dict[str, Any]]:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from petstore import tracing
 from petstore.db import Connection
 
 
+@tracing.statement
 def insert_ban(
     conn: Connection,
     *,
@@ -68,6 +70,7 @@ def insert_ban(
     ).fetchone()
 
 
+@tracing.statement
 def list_bans(conn: Connection) -> list[dict[str, Any]]:
     """Every ban, newest first, with whether it is still in force."""
     return conn.execute(
@@ -88,6 +91,7 @@ def list_bans(conn: Connection) -> list[dict[str, Any]]:
     ).fetchall()
 
 
+@tracing.statement
 def lift_bans(conn: Connection, key_id: int) -> int:
     """End the key's active bans now; return how many were lifted."""
     cur = conn.execute(
@@ -103,6 +107,7 @@ def lift_bans(conn: Connection, key_id: int) -> int:
     return cur.rowcount
 
 
+@tracing.statement
 def forgive_strikes(conn: Connection, key_id: int) -> dict[str, Any] | None:
     """Stamp the key's strikes as forgiven now: (before, after), its previous stamp and the new
     one; None for no such key."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from petstore import tracing
 from petstore.db import Connection
 
 
+@tracing.statement
 def claim(
     conn: Connection,
     *,
@@ -50,6 +52,7 @@ def claim(
     return row is not None
 
 
+@tracing.statement
 def find_response(conn: Connection, *, key_id: int, idempotency_key: str) -> dict[str, Any] | None:
     """The recorded response of this key's request, if younger than 24 hours."""
     return conn.execute(
@@ -67,6 +70,7 @@ def find_response(conn: Connection, *, key_id: int, idempotency_key: str) -> dic
     ).fetchone()
 
 
+@tracing.statement
 def rewrite_record(conn: Connection, *, key_id: int, idempotency_key: str) -> None:
     """Write the record again, unchanged: its commit waits until the synchronous standby has it.
 
@@ -84,6 +88,7 @@ def rewrite_record(conn: Connection, *, key_id: int, idempotency_key: str) -> No
     )
 
 
+@tracing.statement
 def delete_expired(conn: Connection) -> int:
     """Delete records older than 24 hours; return how many."""
     return conn.execute(

@@ -6,9 +6,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from petstore import tracing
 from petstore.db import Connection
 
 
+@tracing.statement
 def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None:
     """The unrevoked key with this secret's hash: id, plan, per-key numbers, scopes (separated by
     spaces), when it expires, when the grace of the previous secret it was found by ends, and
@@ -51,6 +53,7 @@ def find_key_by_hash(conn: Connection, key_hash: bytes) -> dict[str, Any] | None
     ).fetchone()
 
 
+@tracing.statement
 def insert_key(
     conn: Connection,
     *,
@@ -87,6 +90,7 @@ def insert_key(
     return row
 
 
+@tracing.statement
 def list_keys(conn: Connection) -> list[dict[str, Any]]:
     """Every key, live and revoked, oldest first."""
     return conn.execute(
@@ -108,6 +112,7 @@ def list_keys(conn: Connection) -> list[dict[str, Any]]:
     ).fetchall()
 
 
+@tracing.statement
 def find_key(conn: Connection, key_id: int) -> dict[str, Any] | None:
     """The key with this id, live or revoked (id, revoked_at); None when there is none."""
     return conn.execute(
@@ -121,6 +126,7 @@ def find_key(conn: Connection, key_id: int) -> dict[str, Any] | None:
     ).fetchone()
 
 
+@tracing.statement
 def revoke_key(conn: Connection, key_id: int) -> bool:
     """Revoke a live key now; False when there is no such live key."""
     cur = conn.execute(
@@ -135,6 +141,7 @@ def revoke_key(conn: Connection, key_id: int) -> bool:
     return cur.rowcount == 1
 
 
+@tracing.statement
 def revoke_keys_labelled(conn: Connection, label: str) -> int:
     """Revoke every live key with this label; return how many."""
     cur = conn.execute(
@@ -149,6 +156,7 @@ def revoke_keys_labelled(conn: Connection, label: str) -> int:
     return cur.rowcount
 
 
+@tracing.statement
 def rotate_key(
     conn: Connection, key_id: int, *, key_hash: bytes, prefix: str, grace_seconds: int
 ) -> dict[str, Any] | None:

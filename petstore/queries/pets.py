@@ -21,6 +21,7 @@ from typing import Any
 
 from psycopg import sql
 
+from petstore import tracing
 from petstore.db import Connection
 
 
@@ -48,6 +49,7 @@ def page_statement(limit: int, status: str | None) -> str:
     )
 
 
+@tracing.statement
 def list_pets(conn: Connection, *, after: int, limit: int) -> dict[str, Any]:
     """One keyset page over the primary key: {"pets": JSON array text, "count", "last_id"}."""
     row = conn.execute(page_statement(int(limit), None), {"after": after}).fetchone()
@@ -55,6 +57,7 @@ def list_pets(conn: Connection, *, after: int, limit: int) -> dict[str, Any]:
     return row
 
 
+@tracing.statement
 def list_pets_by_status(conn: Connection, *, status: str, after: int, limit: int) -> dict[str, Any]:
     """One keyset page of one status: {"pets", "count", "last_id"}."""
     row = conn.execute(page_statement(int(limit), str(status)), {"after": after}).fetchone()
@@ -62,6 +65,7 @@ def list_pets_by_status(conn: Connection, *, status: str, after: int, limit: int
     return row
 
 
+@tracing.statement
 def find_pet(conn: Connection, pet_id: int) -> str | None:
     """The JSON of the pet with this id, or None."""
     row = conn.execute(
@@ -75,6 +79,7 @@ def find_pet(conn: Connection, pet_id: int) -> str | None:
     return None if row is None else str(row["pet"])
 
 
+@tracing.statement
 def insert_pet(
     conn: Connection, *, name: str, category_id: int, status: str | None
 ) -> dict[str, Any]:

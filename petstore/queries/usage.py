@@ -6,12 +6,14 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from petstore import tracing
 from petstore.db import Connection
 
 # The outcomes a request is counted by, in the order of key_usage's columns.
 OUTCOMES = ("2xx", "4xx", "429", "5xx")
 
 
+@tracing.statement
 def add_usage(conn: Connection, rows: Sequence[tuple[int, datetime, int, int, int, int]]) -> None:
     """Add (key_id, hour, 2xx, 4xx, 429, 5xx) rows to the counts, in one statement.
 
@@ -44,6 +46,7 @@ def add_usage(conn: Connection, rows: Sequence[tuple[int, datetime, int, int, in
     )
 
 
+@tracing.statement
 def usage_of_key(
     conn: Connection, key_id: int, since: datetime, until: datetime, granularity: str
 ) -> list[dict[str, Any]]:
@@ -66,6 +69,7 @@ def usage_of_key(
     ).fetchall()
 
 
+@tracing.statement
 def daily_usage(
     conn: Connection,
     since: datetime,
@@ -98,6 +102,7 @@ def daily_usage(
     ).fetchall()
 
 
+@tracing.statement
 def delete_usage_before(conn: Connection, before: datetime) -> int:
     """Delete the counts of hours before `before`; return how many rows."""
     return conn.execute(

@@ -86,6 +86,14 @@ def count(caller: Caller | None) -> tuple[Shown | None, APIError | None]:
     return shown, None
 
 
+def outcome(limited: APIError | None) -> str:
+    """The count's outcome in its trace span: counted, fallback (counted in memory while the
+    storage is down), refused (429 rate_limited) or banned."""
+    if limited is None:
+        return "fallback" if get_limiter().storage_dead else "counted"
+    return "banned" if limited.code == "api_key_banned" else "refused"
+
+
 def show_unspent() -> Shown | None:
     """What X-RateLimit-* show for a request that spends nothing: the client address's budget as
     it stands. For answers that are not the client's doing (the database cannot say who is

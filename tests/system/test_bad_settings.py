@@ -59,6 +59,11 @@ CASES = [
         "PETSTORE_THREADS='many' is not valid: expected a whole number of at least 1",
         id="threads",
     ),
+    pytest.param(
+        {"DATABASE_URL": GOOD_URL, "OTEL_TRACES_EXPORTER": "jaeger"},
+        "OTEL_TRACES_EXPORTER='jaeger' is not valid: expected otlp, console or none",
+        id="traces-exporter",
+    ),
 ]
 
 

@@ -5,7 +5,8 @@ connects: every commit waits for it forever, which is what a primary whose stand
 behind its back does (its Patroni dead). The statement timeout does not bound that wait; the
 service cancels it after its own bound, PostgreSQL keeps the commit locally and says so in a
 WARNING, and the answer is a 503 with Retry-After. A retry with the same Idempotency-Key is a 503
-again while the standby lacks the record, and the recorded 201 once it is replicated.
+again while the standby lacks the record, and the recorded 201 once it is replicated. Its trace
+shows where the create waited (petstore.tracing).
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ import psycopg
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.errors import Diagnostic
 
-from petstore import config, create_app, db, durable, keys
+from petstore import config, create_app, db, durable, keys, tracing
 from tests.support.checks import assert_error
 from tests.support.servers import ThrowawayPostgres, poll_until
 
@@ -221,3 +226,33 @@ def test_a_cancelled_wait_is_a_503_whatever_the_warnings_language(
     assert count_named(server, "Untranslated") == 1  # committed here alone
     # Closed, not reused: the watch's cancel cannot reach a later request's statement.
     assert pool.get_stats().get("returns_bad", 0) == returned_closed + 1
+
+
+def test_a_trace_shows_where_a_create_waited_for_the_standby(
+    server: ThrowawayPostgres, app: Flask, key: str
+) -> None:
+    """Traces (petstore.tracing): the create's statement span holds its commit's wait for the
+    missing standby, up to the bound, and durable.write says how it ended (its type alone)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    wait_for_standby_named(server, "nobody")
+    tracing.use(provider)
+    try:
+        response, _took = create(app.test_client(), key, None, "Traced wait")
+    finally:
+        tracing.use(None)
+    assert response.status_code == 503
+    by_name = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(by_name) >= {"POST /v1/pets", "durable.write", "pets.insert_pet"}
+    bound_ns = (STATEMENT_TIMEOUT_MS / 1000 + durable.COMMIT_WAIT_MARGIN) * 1e9
+
+    def took(name: str) -> float:
+        span = by_name[name]
+        assert span.end_time is not None and span.start_time is not None
+        return span.end_time - span.start_time
+
+    assert took("pets.insert_pet") >= bound_ns * 0.9
+    assert took("durable.write") >= took("pets.insert_pet")
+    assert (by_name["durable.write"].attributes or {})["error.type"] == "CommitNotReplicated"
+    assert by_name["POST /v1/pets"].status.status_code is StatusCode.ERROR
