@@ -6,7 +6,7 @@ import calendar
 import email.utils
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Any
 from urllib.parse import urlsplit
@@ -67,10 +67,6 @@ def _networks(text: str) -> tuple[IPNetwork, ...]:
         raise ValueError(
             "expected networks in CIDR notation, comma-separated, such as 10.0.0.0/8,::1"
         ) from None
-
-
-def _str(text: str) -> str:
-    return text
 
 
 SWITCH = {"on": True, "true": True, "yes": True, "1": True}
@@ -157,16 +153,13 @@ def _log_level(text: str) -> str:
     return text.upper()
 
 
-def _strategy(text: str) -> str:
-    if text not in STRATEGIES:
-        raise ValueError(f"expected one of {', '.join(sorted(STRATEGIES))}")
-    return text
+def _one_of(choices: Iterable[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(sorted(choices))}")
+        return text
 
-
-def _pooler(text: str) -> str:
-    if text not in POOLERS:
-        raise ValueError(f"expected one of {', '.join(POOLERS)}")
-    return text
+    return parse
 
 
 def _limits(text: str) -> str:
@@ -189,17 +182,13 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_DB_POOL_TIMEOUT": ("DB_POOL_TIMEOUT", _float(0.01), 2.0),
     "PETSTORE_DB_CONNECT_TIMEOUT": ("DB_CONNECT_TIMEOUT", _int(1), 3),
     "PETSTORE_DB_STATEMENT_TIMEOUT_MS": ("DB_STATEMENT_TIMEOUT_MS", _int(1), 5000),
-    "PETSTORE_DB_POOLER": ("DB_POOLER", _pooler, "none"),
-    "PETSTORE_MIGRATION_DATABASE_URL": ("MIGRATION_DATABASE_URL", _str, None),
+    "PETSTORE_DB_POOLER": ("DB_POOLER", _one_of(POOLERS), "none"),
+    "PETSTORE_MIGRATION_DATABASE_URL": ("MIGRATION_DATABASE_URL", str, None),
     # How long a migration waits for a lock (the queries behind it wait as long), how many more
     # times it tries, and its own statement timeout (an index build outlasts any request).
     "PETSTORE_MIGRATION_LOCK_WAIT_MS": ("MIGRATION_LOCK_WAIT_MS", _int(1), 2000),
     "PETSTORE_MIGRATION_RETRIES": ("MIGRATION_RETRIES", _int(0), 4),
-    "PETSTORE_MIGRATION_TIMEOUT_MS": (
-        "MIGRATION_TIMEOUT_MS",
-        _int(1),
-        3_600_000,
-    ),
+    "PETSTORE_MIGRATION_TIMEOUT_MS": ("MIGRATION_TIMEOUT_MS", _int(1), 3_600_000),
     # Unset: every statement on DATABASE_URL. Set: listPets and getPet read there (standbys).
     "PETSTORE_READ_DATABASE_URL": ("READ_DATABASE_URL", _database_url, None),
     "PETSTORE_READ_MAX_LAG_SECONDS": ("READ_MAX_LAG_SECONDS", _float(0), 1.0),
@@ -215,7 +204,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     # Unset: the document names no staging server.
     "PETSTORE_STAGING_BASE_URL": ("STAGING_BASE_URL", _http_url, None),
     "RATELIMIT_STORAGE_URI": ("RATELIMIT_STORAGE_URI", _storage_uri, "memory://"),
-    "PETSTORE_RATELIMIT_STRATEGY": ("RATELIMIT_STRATEGY", _strategy, "fixed-window"),
+    "PETSTORE_RATELIMIT_STRATEGY": ("RATELIMIT_STRATEGY", _one_of(STRATEGIES), "fixed-window"),
     # Off: the limits library's own storages instead of petstore.ratelimit.storages (the bench compares).
     "PETSTORE_RATELIMIT_TUNED_STORAGES": ("RATELIMIT_TUNED_STORAGES", _switch, True),
     "PETSTORE_IP_LIMITS": ("IP_LIMITS", _limits, "60/minute;1000/day"),
@@ -240,7 +229,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     # Unset: /metrics answers whoever reaches the app's port (petstore.views.metrics).
     "PETSTORE_METRICS_ALLOW": ("METRICS_ALLOW", _networks, None),
     # prometheus_client's own name: it reads the environment when imported (petstore.metrics).
-    "PROMETHEUS_MULTIPROC_DIR": ("METRICS_DIR", _str, None),
+    "PROMETHEUS_MULTIPROC_DIR": ("METRICS_DIR", str, None),
 }
 
 

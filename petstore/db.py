@@ -6,7 +6,7 @@ import logging
 import select
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 from flask import Flask, current_app, g
@@ -19,7 +19,6 @@ from petstore import hostorder
 log = logging.getLogger(__name__)
 
 Connection = psycopg.Connection[DictRow]
-T = TypeVar("T")
 
 
 def behind_transaction_pooler(config: Mapping[str, Any]) -> bool:
@@ -50,14 +49,12 @@ def connection_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
 def tcp_liveness(config: Mapping[str, Any]) -> dict[str, int]:
     """libpq's TCP options that find a server gone silent (packets dropped, no RST).
 
-    Without them a statement sent to a vanished server waits for the kernel's retransmissions,
-    some fifteen minutes, and the request with it. tcp_user_timeout closes a connection whose
-    sent data stays unacknowledged for DB_CONNECT_TIMEOUT: a live server's kernel acknowledges
-    in milliseconds, however long the statement runs, so no slow statement is cut. Keepalives
-    find a server that vanished while we waited for its answer: after DB_CONNECT_TIMEOUT of
-    silence, a probe each second, and the connection is closed when one stays unanswered past
-    tcp_user_timeout (Linux) or three in a row do. So a request on a silent server answers 503
-    within its statement timeout plus a few seconds (tests/system/test_network_cut.py).
+    Without them a statement sent to a vanished server waits some fifteen minutes for the
+    kernel's retransmissions. tcp_user_timeout cuts a connection whose sent data stays
+    unacknowledged for DB_CONNECT_TIMEOUT (a live server acknowledges in milliseconds, however
+    long the statement runs); keepalives find a server that vanished while we waited for its
+    answer. A request on a silent server then answers 503 within its statement timeout plus a
+    few seconds (tests/system/test_network_cut.py).
     """
     seconds = int(config["DB_CONNECT_TIMEOUT"])
     return {
@@ -73,8 +70,7 @@ def tcp_liveness(config: Mapping[str, Any]) -> dict[str, int]:
 class TimeoutPin:
     """What the pool's new connections found of the server's statement_timeout.
 
-    Behind a transaction pooler the timeout is the database's (pin_statement_timeout). A
-    database never pinned (`petstore db upgrade` skipped) is no reason to refuse traffic: its
+    A database never pinned (`petstore db upgrade` skipped) is no reason to refuse traffic: its
     statements run unbounded, which gives no wrong answer, while /healthz, the metric
     petstore_db_statement_timeout_unpinned and one log line per new connection say so.
     """
@@ -101,13 +97,9 @@ def check_new_connection(
 
     A pooler is found whether it was declared or not (PETSTORE_DB_POOLER): PostgreSQL tells
     libpq its backend's pid on connecting, and a pooler (PgBouncer, in any pool mode) tells
-    the client a pid of its own. Through one, the connection prepares no statement, so that a
-    statement never runs against a plan that another client prepared on the same server
-    connection (transaction pooling). A direct connection keeps its prepared statements.
-
-    Through a pooler the timeout cannot travel with the connection: it is the database's
-    default (`petstore db upgrade` pins it). A connection whose server has another value still
-    serves (see TimeoutPin); the log says it once for each such connection.
+    the client a pid of its own. Through one, the connection prepares no statement: another
+    client may have prepared one of the same name on the same server connection. Through a
+    pooler the timeout is the database's default (`petstore db upgrade` pins it).
     """
     expected = int(config["DB_STATEMENT_TIMEOUT_MS"])
     declared = behind_transaction_pooler(config)
@@ -197,12 +189,6 @@ def init_app(app: Flask) -> None:
     app.teardown_appcontext(_release_conn)
 
 
-def get_timeout_pin() -> TimeoutPin | None:
-    """What the current app's new connections found of the statement timeout (None: no pools)."""
-    pin: TimeoutPin | None = current_app.extensions.get("petstore.timeout_pin")
-    return pin
-
-
 def get_pool() -> ConnectionPool[Connection]:
     """The pool of the current app."""
     pool: ConnectionPool[Connection] = current_app.extensions["petstore.pool"]
@@ -210,28 +196,25 @@ def get_pool() -> ConnectionPool[Connection]:
 
 
 def get_conn() -> Connection:
-    """The request's connection, taken from the pool on first use.
+    """The request's connection (autocommit), taken from the pool on first use."""
+    if "conn" not in g:
+        g.conn = take_live(get_pool())
+    conn: Connection = g.conn
+    return conn
 
-    Connections are in autocommit mode: each statement is its own transaction,
-    which saves the BEGIN and COMMIT round trips. Code that needs several
-    statements to be atomic opens `with conn.transaction():` around them.
+
+def take_live(pool: ConnectionPool[Connection], timeout: float | None = None) -> Connection:
+    """A connection of `pool`; when the one it gave was cut, the pool tests its idle ones first.
 
     A restart of PostgreSQL cuts the pool's idle connections without the pool noticing: the
-    server's farewell waits unread on the socket. An idle connection with anything to read is
-    suspect, then: the pool tests its idle connections and hands out a live one. Polling the
-    socket costs a microsecond, where testing every connection before handing it out would
-    cost a round trip; whatever the request's first statement is (the key's, or its view's
-    when the key's row is cached), it meets no connection cut while it was idle.
+    server's farewell waits unread on the socket. Polling it costs a microsecond, where testing
+    every connection before handing it out would cost a round trip.
     """
-    if "conn" not in g:
-        pool = get_pool()
-        taken = pool.getconn()
-        if cut_while_idle(taken):
-            pool.putconn(taken)
-            pool.check()
-            taken = pool.getconn()
-        g.conn = taken
-    conn: Connection = g.conn
+    conn = pool.getconn(timeout=timeout)
+    if cut_while_idle(conn):
+        pool.putconn(conn)
+        pool.check()
+        conn = pool.getconn(timeout=timeout)
     return conn
 
 
@@ -270,9 +253,8 @@ def close_request_connection() -> None:
 def discard_read_only_connections() -> None:
     """After a write met a read-only server (a standby, a demoted primary), replace every connection.
 
-    The pool's other connections went to the same server, most likely: each is closed, idle
-    ones now and those in use when they come back, and new ones follow DATABASE_URL's
-    target_session_attrs=read-write to the primary. So no write meets a standby twice in a row.
+    The others most likely went to the same server: idle ones are closed now, those in use when
+    they come back, and new ones follow target_session_attrs=read-write to the primary.
     """
     conn = g.pop("conn", None)
     pool = get_pool()

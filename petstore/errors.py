@@ -17,12 +17,10 @@ log = logging.getLogger(__name__)
 # What psycopg raises when PostgreSQL is down, restarting, unreachable or too slow.
 DATABASE_UNAVAILABLE = (psycopg.OperationalError, psycopg.InterfaceError, psycopg_pool.PoolTimeout)
 
-# Every Error code the service answers with, wherever the refusal is made: the app, gunicorn
-# (petstore.gunicorn_glue.REFUSALS) and nginx (the error pages of deploy/nginx/petstore.conf).
-# code -> (its status, the message when nothing more specific is said; None where each answer
-# says its own). The OpenAPI document lists each status's codes from here, in this order, and
-# tests/app/test_deploy_files.py checks that gunicorn's and nginx's codes are here, with these
-# statuses.
+# Every Error code the service answers with, wherever the refusal is made (the app,
+# petstore.gunicorn_glue.REFUSALS, nginx's error pages): code -> (status, the message when nothing
+# more specific is said). The OpenAPI document lists each status's codes from here, in order;
+# tests/app/test_deploy_files.py checks gunicorn's and nginx's codes against it.
 ERRORS: dict[str, tuple[int, str | None]] = {
     "invalid_request": (400, None),
     "unauthorized": (401, None),
@@ -92,11 +90,7 @@ class APIError(Exception):
 
 
 def error_response(
-    status: int,
-    code: str,
-    message: str,
-    headers: Any = None,
-    errors: dict[str, Any] | None = None,
+    status: int, code: str, message: str, headers: Any = None, errors: dict[str, Any] | None = None
 ) -> Response:
     """The one way an Error body is built."""
     body: dict[str, Any] = {"code": code, "message": message, "status": status}
@@ -147,11 +141,10 @@ def handle_read_only(error: psycopg.errors.ReadOnlySqlTransaction) -> Response:
 
 
 def handle_internal_error(error: psycopg.InternalError) -> Response:
-    # psycopg's own InternalError (no SQLSTATE): a command got answers it cannot account for, as
-    # when the server dies during a COMMIT and PgBouncer adds its "server conn crashed?" to the
-    # backend's FATAL ("received 2 results from command 'COMMIT'"). Whether the commit happened
-    # is unknown, which a retry with the Idempotency-Key settles: 503, as for a lost connection,
-    # and this connection is never used again. The server's own (a SQLSTATE) stay bugs: 500.
+    # psycopg's own InternalError (no SQLSTATE), as when the server dies during a COMMIT behind
+    # PgBouncer ("received 2 results from command 'COMMIT'"): whether the commit happened is
+    # unknown, which a retry with the Idempotency-Key settles. 503, and the connection is never
+    # used again. The server's own (a SQLSTATE) stay bugs: 500.
     if error.sqlstate is not None:
         return handle_unexpected(error)
     db.close_request_connection()

@@ -71,11 +71,8 @@ def error_bytes(status_int: int) -> bytes:
 
 
 def write_error_json(sock: Any, status_int: int, reason: str, mesg: str) -> None:
-    """gunicorn.util.write_error with the Error JSON for a body; `reason` and `mesg` are not sent.
-
-    gunicorn's message quotes the client's bytes back; its own log line keeps it
-    ("Invalid request from ip=...").
-    """
+    """gunicorn.util.write_error with the Error JSON for a body; not `mesg`, which quotes the
+    client's bytes back (gunicorn's own log line keeps it)."""
     gunicorn.util.write_nonblock(sock, error_bytes(status_int))
 
 
@@ -158,9 +155,9 @@ class ThreadWorker(gunicorn.workers.gthread.ThreadWorker):  # type: ignore[misc]
 
     On SIGTERM its loop ends, takes the sockets off its poller (`set_accept_enabled(False)`),
     then serves what it has accepted for up to graceful_timeout. They are closed right there:
-    not in the signal handler, where the loop may be about to accept on them (a closed socket
-    there raised out of the loop and ended the worker without serving what it had accepted),
-    and not before they leave the poller, which could not unregister a closed descriptor.
+    not in the signal handler, where a closed socket would raise out of a loop about to accept
+    on it (ending the worker before it served what it had accepted), and not before they leave
+    the poller, which could not unregister a closed descriptor.
     """
 
     def set_accept_enabled(self, enabled: bool) -> None:

@@ -21,9 +21,9 @@ ACCEPTED = -1.0
 # A host whose last attempt took this long (seconds) is silent: one attempt at a time waits on it.
 SILENT = 1.0
 # target_session_attrs this module checks itself, and the query whose true answer accepts the
-# server: asked of the server itself, since a pooler answers libpq's own check from the
-# in_hot_standby and default_transaction_read_only it cached at its first login (PgBouncer
-# issue #859), true or not since.
+# server: PgBouncer answers libpq's own check from the in_hot_standby and
+# default_transaction_read_only it cached at its first login (PgBouncer issue #859): after a
+# failover the demoted node passes as a primary.
 ROLE_CHECKS = {
     "read-write": "select current_setting('transaction_read_only') = 'off'",
     "read-only": "select current_setting('transaction_read_only') = 'on'",
@@ -59,25 +59,15 @@ def describe(host: dict[str, str]) -> str:
 def ordered_connection_class() -> type[psycopg.Connection[DictRow]]:
     """A connection class for one pool: hosts tried by what their last attempt cost, roles checked.
 
-    libpq and psycopg try a multi-host URL's hosts in the written order, each for up to
-    connect_timeout. When the first one is silent (its host cut off the network), every new
-    connection spends that timeout on it before it reaches the primary, and after a failover the
-    pool refills one connect_timeout per connection. Here the host that took the last connection
-    comes first, then those whose last attempt failed fast (a standby refusing
-    target_session_attrs=read-write, a stopped server), and last the ones that stayed silent;
-    the written order breaks ties. While one attempt waits on a silent host, the others pass it
-    over: they fail at once if no other host takes them, and the pool tries again, so that a
-    standby promoted meanwhile is found within the pool's retry delay, not after a timeout.
+    libpq tries a multi-host URL's hosts in the written order, each for up to connect_timeout:
+    with the first one silent, every new connection spends that timeout on it. Here the host
+    that took the last connection comes first, then those that failed fast (a standby, a
+    stopped server), and last the silent ones. While one attempt waits on a silent host, the
+    others pass it over (failing at once if no other host takes them), so that the pool's retry
+    finds a standby promoted meanwhile without waiting out a timeout.
 
-    Through PgBouncer, libpq's target_session_attrs check believes the in_hot_standby and
-    default_transaction_read_only that the bouncer cached from its first server login: after a
-    failover the demoted node passes as a primary (every write there fails, and the next
-    connection goes back to it) and the promoted one as a standby. So libpq checks nothing here,
-    and a host is taken once the server behind it said, to a query, that it is what the URL
-    asks for (one round trip per new connection).
-
-    A URL asking for prefer-standby or load_balance_hosts (psycopg's own orders) connects as
-    psycopg does.
+    The role is asked of the server itself (ROLE_CHECKS, one round trip per new connection), not
+    left to libpq. A URL asking for prefer-standby or load_balance_hosts connects as psycopg does.
     """
     # Each host's (its per-host values) seconds its last attempt took, or ACCEPTED. The pool's
     # threads share it: a lost update only orders one attempt less well.
@@ -98,10 +88,8 @@ def ordered_connection_class() -> type[psycopg.Connection[DictRow]]:
                 or "any"
             )
             conninfo = psycopg.conninfo.make_conninfo(conninfo, target_session_attrs=attrs)
-            if attrs == "prefer-standby" or params.get("load_balance_hosts") not in (
-                None,
-                "disable",
-            ):
+            balanced = params.get("load_balance_hosts", "disable") != "disable"
+            if attrs == "prefer-standby" or balanced:
                 return super().connect(conninfo, **kwargs)
             hosts = split_hosts(params) or [{}]
             # libpq's check could refuse a host by a pooler's stale word: ours replaces it.

@@ -66,11 +66,7 @@ def replay(
 
 
 def once(
-    conn: Connection,
-    key_id: int,
-    key: str,
-    payload: Any,
-    work: Callable[[Connection], Response],
+    conn: Connection, key_id: int, key: str, payload: Any, work: Callable[[Connection], Response]
 ) -> Response:
     """Run `work` for the first request of the API key `key_id` with the Idempotency-Key `key`;
     replay its response to the others.

@@ -60,11 +60,6 @@ class Migration:
     text: str
 
     @property
-    def version(self) -> str:
-        """The file name without .sql, as /readyz reports it."""
-        return self.name.removesuffix(".sql")
-
-    @property
     def in_transaction(self) -> bool:
         """Whether it runs as one transaction (unless its first line says otherwise)."""
         return not self.text.lstrip().startswith(NO_TRANSACTION)
@@ -92,14 +87,9 @@ class GaveUp(Exception):
     """A migration did not get its lock within the retries: nothing of it is applied."""
 
 
-def shipped() -> Traversable:
-    """The migrations shipped with the package: sql/, reached as petstore/sql."""
-    return resources.files("petstore").joinpath("sql")
-
-
 def migrations(directory: Traversable | Path | None = None) -> list[Migration]:
-    """Every numbered migration of `directory` (default: sql/), in order."""
-    files = directory or shipped()
+    """Every numbered migration of `directory` (default: sql/, shipped as petstore/sql), in order."""
+    files = directory or resources.files("petstore").joinpath("sql")
     names = sorted(f.name for f in files.iterdir() if MIGRATION_NAME.match(f.name))
     return [Migration(name, files.joinpath(name).read_text(encoding="utf-8")) for name in names]
 
@@ -277,8 +267,7 @@ def drop_if_invalid(conn: Connection, index: str) -> None:
 
 # Quoted text, dollar-quoted bodies and comments, in which a semicolon ends nothing.
 _SKIPPED = re.compile(
-    r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|(\$[a-zA-Z_0-9]*\$).*?\1|--[^\n]*|/\*.*?\*/",
-    re.DOTALL,
+    r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|(\$[a-zA-Z_0-9]*\$).*?\1|--[^\n]*|/\*.*?\*/", re.DOTALL
 )
 
 

@@ -1,11 +1,8 @@
 """The OpenAPI document of the API, built by apispec from what each resource declares beside its views.
 
-A views module's blueprint is a `Resource`: its tag, the schema and header components its
-operations use, and each operation, routed and described by one decorator,
-`@bp.operation(rule, method, operation_id, describe)`, where `describe(config)` returns
-operation_object(summary, description, ok(...), errors(...)). The builders take what every
-operation shares from here and each status's Error codes from errors.ERRORS. build_document
-collects the resources; this module imports no view.
+Each operation is routed and described by `@bp.operation(rule, method, operation_id, describe)`
+on a `Resource`; `describe(config)` returns operation_object(summary, description, ok(...),
+errors(...)), the Error codes from errors.ERRORS. This module imports no view.
 """
 
 from __future__ import annotations
@@ -336,7 +333,6 @@ def add_components(spec: APISpec) -> None:
 # What the document says of one operation, from the app's settings: its Operation Object but for
 # the operationId and the tags, which the decorator and the resource give.
 Describe = Callable[[Settings], Object]
-# A view function, kept as it is by the decorator that routes it.
 View = TypeVar("View", bound=Callable[..., Any])
 
 # A variable of a Flask rule, `<pet_id>` or `<int:pet_id>` (flask-smorest's rule_to_path reads
@@ -420,21 +416,6 @@ class Resource(Blueprint):
                 spec.components.header(component_id, header)
 
 
-def add_paths(spec: APISpec, config: Settings, resources: Iterable[Resource]) -> None:
-    """The resources' operations, grouped by path."""
-    paths: dict[str, dict[str, Any]] = {}
-    for resource in resources:
-        for operation in resource.operations:
-            # The resource's tag, in the place the Operation Object's fields usually take.
-            paths.setdefault(operation.path, {})[operation.method] = {
-                "operationId": operation.operation_id,
-                "tags": [resource.tag["name"]],
-                **operation.describe(config),
-            }
-    for path, operations in paths.items():
-        spec.path(path, operations=operations)
-
-
 def operation_ids(resources: Iterable[Resource]) -> dict[str, str]:
     """Flask endpoint -> operationId of each of the resources' operations."""
     return {
@@ -444,17 +425,14 @@ def operation_ids(resources: Iterable[Resource]) -> dict[str, str]:
     }
 
 
-# The first server without PETSTORE_BASE_URL: relative, so it resolves against wherever the
-# document was fetched from (OpenAPI 3.0.3, Server Object), with no Host header involved.
-RELATIVE_BASE_URL = "/v1"
-
-
 def servers(config: Settings) -> list[dict[str, str]]:
     """From configuration only: PETSTORE_BASE_URL or "/v1"; staging after, when it is set."""
     if config.get("PUBLIC_BASE_URL"):
         found = [{"url": config["PUBLIC_BASE_URL"], "description": "Production"}]
     else:
-        found = [{"url": RELATIVE_BASE_URL, "description": "This server"}]
+        # Relative: it resolves against wherever the document was fetched from (OpenAPI 3.0.3,
+        # Server Object), with no Host header involved.
+        found = [{"url": "/v1", "description": "This server"}]
     if config.get("STAGING_BASE_URL"):
         found.append({"url": config["STAGING_BASE_URL"], "description": "Staging"})
     return found
@@ -475,9 +453,17 @@ def build_document(config: Settings, resources: Iterable[Resource]) -> dict[str,
         tags=[resource.tag for resource in resources],
     )
     add_components(spec)
+    paths: dict[str, dict[str, Any]] = {}  # the resources' operations, grouped by path
     for resource in resources:
         resource.add_components(spec, config)
-    add_paths(spec, config, resources)
+        for operation in resource.operations:
+            paths.setdefault(operation.path, {})[operation.method] = {
+                "operationId": operation.operation_id,
+                "tags": [resource.tag["name"]],
+                **operation.describe(config),
+            }
+    for path, operations in paths.items():
+        spec.path(path, operations=operations)
     document = spec.to_dict()
     # The usual reading order: what it is, where, then what it offers.
     document["info"] = {key: document["info"][key] for key in ("title", "version", "description")}

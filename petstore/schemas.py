@@ -16,6 +16,11 @@ DIGITS = re.compile(r"[0-9]{1,19}")
 # A JSON Schema (ECMA-262) pattern for text PostgreSQL can store: no NUL character.
 NO_NUL_PATTERN = "^[^\\u0000]*$"
 STATUS_DESCRIPTION = "Availability: one of `available`, `pending`, `sold`."
+CATEGORY_ID = {
+    "format": "int64",
+    "description": "Identifier of the category the animal belongs to.",
+    "example": 1,
+}
 
 
 class QueryInteger(fields.Integer):
@@ -65,11 +70,7 @@ class NewPetSchema(Schema):
         required=True,
         strict=True,
         validate=validate.Range(min=INT64_MIN, max=INT64_MAX),
-        metadata={
-            "format": "int64",
-            "description": "Identifier of the category the animal belongs to.",
-            "example": 1,
-        },
+        metadata=CATEGORY_ID,
     )
     status = fields.String(
         validate=validate.OneOf(PET_STATUSES),
@@ -127,15 +128,7 @@ class PetSchema(Schema):
     name = fields.String(
         required=True, metadata={"description": "The animal's name.", "example": "Rex"}
     )
-    category_id = fields.Integer(
-        data_key="categoryId",
-        required=True,
-        metadata={
-            "format": "int64",
-            "description": "Identifier of the category the animal belongs to.",
-            "example": 1,
-        },
-    )
+    category_id = fields.Integer(data_key="categoryId", required=True, metadata=CATEGORY_ID)
     # Only what NewPetSchema let in is ever stored (and the database checks it again).
     status = fields.String(
         metadata={
@@ -191,7 +184,6 @@ class ErrorSchema(Schema):
     status = fields.Integer(
         required=True, metadata={"description": "The HTTP status code.", "example": 400}
     )
-    # Only a validation 400 carries it (petstore.web.validate); never any other status.
     errors = fields.Dict(
         keys=fields.String(),
         values=fields.List(fields.String()),
@@ -256,11 +248,7 @@ class RateLimitSchema(Schema):
 
     plan = fields.String(
         required=True,
-        metadata={
-            "enum": list(PLANS),
-            "description": "The key's plan.",
-            "example": "free",
-        },
+        metadata={"enum": list(PLANS), "description": "The key's plan.", "example": "free"},
     )
     limits = fields.Dict(
         keys=fields.String(),

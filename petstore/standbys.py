@@ -15,7 +15,7 @@ from flask import Flask, current_app
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from petstore.db import Connection, cut_while_idle, get_conn, open_pool
+from petstore.db import Connection, get_conn, open_pool, take_live
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,10 @@ READ_RECONNECT_TIMEOUT = 1.0
 READ_CONNECTION_LIFETIME = 60.0
 # A worker asks its standby how far behind it is at most once per this many seconds.
 LAG_CHECK_SECONDS = 1.0
-# How far behind a standby is (seconds): 0 when it has replayed all the WAL it received (caught
-# up; also when it streams nothing yet, just started), else the time since the primary committed
-# the last transaction it replayed (unknown, null, when it replayed none since it started). On a
-# primary (a read URL that names one, not prefer-standby: Standbys.not_a_standby): 0.
+# How far behind a standby is (seconds): 0 when it has replayed all the WAL it received (or
+# streams nothing yet), or on a primary (a read URL that names one; prefer-standby skips a
+# primary: Standbys.not_a_standby); else the time since the primary committed the last
+# transaction it replayed (null when it replayed none yet).
 STANDBY_LAG = """
 select case when not pg_is_in_recovery()
                  or coalesce(pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn(), true)
@@ -95,20 +95,6 @@ class Standbys:
         )
         self.rests_until = time.monotonic() + READ_POOL_REST
 
-    def take(self) -> Connection:
-        """A connection to a standby, within READ_POOL_TIMEOUT.
-
-        A standby that restarted cut every idle connection alike: at the first one found cut,
-        all the broken ones are dropped (the pool tests its idle connections, each cut one fails
-        at once) and new ones are made, rather than one broken connection per read.
-        """
-        conn = self.pool.getconn(timeout=READ_POOL_TIMEOUT)
-        if cut_while_idle(conn):
-            self.pool.putconn(conn)
-            self.pool.check()
-            conn = self.pool.getconn(timeout=READ_POOL_TIMEOUT)
-        return conn
-
     def not_a_standby(self, conn: Connection) -> bool:
         """Whether `conn`'s server says it is not a standby, when only standbys are read from.
 
@@ -155,7 +141,7 @@ def read_on_standby_if_any(query: Callable[..., T], *args: Any, **kwargs: Any) -
     if standbys is None or standbys.resting():
         return query(get_conn(), *args, **kwargs)
     try:
-        conn = standbys.take()
+        conn = take_live(standbys.pool, READ_POOL_TIMEOUT)
     except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
         standbys.rest(exc)
         return query(get_conn(), *args, **kwargs)

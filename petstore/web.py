@@ -33,13 +33,6 @@ def json_response(body: str, status: int = 200, headers: dict[str, str] | None =
     )
 
 
-# What reading a body the client framed wrongly raises through werkzeug's stream: gunicorn's
-# parse errors (a chunk size of "zz" or "-1", a size line too long, no CRLF after a chunk's data).
-# An OSError (a body that ended early) werkzeug turns into its own 400. gunicorn closes the
-# connection after the answer: where the next request would start is unknown.
-MALFORMED_BODY = ParseException
-
-
 def read_body_or_error() -> bytes | APIError | HTTPException:
     """Read the body now (read_capped_body) and return it, or the error reading raised, for the
     pipeline to store in g.body; stored_body answers with it later."""
@@ -50,11 +43,7 @@ def read_body_or_error() -> bytes | APIError | HTTPException:
 
 
 def stored_body() -> bytes:
-    """The request body the pipeline stored (else read now); 413 when it is longer than
-    MAX_CONTENT_LENGTH, chunked bodies included.
-
-    400 when its framing is broken, before anything is stored.
-    """
+    """The request body the pipeline stored (else read now): see read_capped_body."""
     body = g.get("body")
     if body is None:
         return read_capped_body()
@@ -81,7 +70,9 @@ def read_capped_body() -> bytes:
             cap = req.max_content_length
             if cap is not None and len(data) >= cap and req.input_stream.read(1):
                 raise RequestEntityTooLarge()
-    except MALFORMED_BODY:
+    except ParseException:
+        # A body the client framed wrongly (a chunk size of "zz", no CRLF after a chunk's data):
+        # gunicorn raises it through werkzeug's stream, and closes the connection after the answer.
         raise APIError(
             400, "The request body is malformed: its chunked encoding is broken."
         ) from None

@@ -32,9 +32,8 @@ def db_upgrade(directory: Path | None) -> None:
     migration that cannot get its lock gives up in one line naming it (exit status 1).
     """
     settings = common.load_settings()
-    pooled = db.behind_transaction_pooler(settings)
     direct_url = settings["MIGRATION_DATABASE_URL"]
-    if pooled and not direct_url:
+    if db.behind_transaction_pooler(settings) and not direct_url:
         raise click.ClickException(
             "PETSTORE_DB_POOLER=transaction: set PETSTORE_MIGRATION_DATABASE_URL to a direct "
             "URL of PostgreSQL (not the pooler) for migrations"
@@ -47,9 +46,8 @@ def db_upgrade(directory: Path | None) -> None:
     with common.database(direct) as conn:
         try:
             limits = migrations.Limits.from_settings(settings)
-            # Pinned whatever PETSTORE_DB_POOLER says, so that a database which gains a
-            # transaction pooler later keeps its statement timeout (a direct connection sets its
-            # own anyway).
+            # Pinned whatever PETSTORE_DB_POOLER says: a database may gain a transaction pooler
+            # later (a direct connection sets its own timeout anyway).
             applied = migrations.upgrade(
                 conn, limits, directory, settings["DB_STATEMENT_TIMEOUT_MS"]
             )

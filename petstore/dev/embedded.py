@@ -165,7 +165,8 @@ def _run(args: Sequence[str], account: pwd.struct_passwd | None, timeout: float)
                 stderr=subprocess.STDOUT,
                 # "/" is searchable by everyone; our own cwd may not be for the service account.
                 cwd="/",
-                env=_environment(),
+                # Without PG* variables, which would otherwise redirect pg_ctl or the server.
+                env={key: value for key, value in os.environ.items() if not key.startswith("PG")},
                 timeout=timeout,
                 user=None if account is None else account.pw_uid,
                 # Drop root's group and supplementary groups too, not only the uid.
@@ -180,11 +181,6 @@ def _run(args: Sequence[str], account: pwd.struct_passwd | None, timeout: float)
             raise EmbeddedPostgresError(f"cannot run {args[0]}: {exc.strerror}") from exc
         output.seek(0)
         return completed.returncode, output.read().decode(errors="replace")
-
-
-def _environment() -> dict[str, str]:
-    """Our environment without PG* variables, which would otherwise redirect pg_ctl or the server."""
-    return {key: value for key, value in os.environ.items() if not key.startswith("PG")}
 
 
 def _service_account() -> pwd.struct_passwd | None:
@@ -323,9 +319,7 @@ def _is_running(datadir: Path, account: pwd.struct_passwd | None) -> bool:
     """Whether a server runs from `datadir`, according to pg_ctl status and postmaster.pid."""
     # pg_ctl checks that the PID in postmaster.pid is alive, so a stale file reads as not running.
     code, output = _run(
-        [str(_BIN_DIR / "pg_ctl"), "status", "-D", str(datadir)],
-        account,
-        _QUICK_TIMEOUT,
+        [str(_BIN_DIR / "pg_ctl"), "status", "-D", str(datadir)], account, _QUICK_TIMEOUT
     )
     if code == 0:
         return True

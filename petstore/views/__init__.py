@@ -1,12 +1,8 @@
 """The views, one blueprint per module, and RESOURCES: the one list of the API's resources.
 
-A resource is a views module whose blueprint `bp` is a petstore.openapi.Resource: it declares its
-tag and the schema and header components its operations use, and routes each view with its
-operationId and description (`@bp.operation(rule, method, operation_id, describe)`). create_app
-registers the blueprints of RESOURCES under /v1, the OpenAPI document collects their tags,
-components and operations, and petstore.metrics counts their requests by operationId
-(operation_ids()). A new resource is such a module, named in RESOURCES; a new operation of a
-resource touches its module only.
+A resource is a views module whose `bp` is a petstore.openapi.Resource. create_app registers
+RESOURCES under /v1, the OpenAPI document describes them, and petstore.metrics counts their
+requests by operationId. A new operation of a resource touches its module only.
 """
 
 from __future__ import annotations

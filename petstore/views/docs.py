@@ -12,15 +12,7 @@ import json
 from importlib import metadata, resources
 from pathlib import Path
 
-from flask import (
-    Blueprint,
-    Response,
-    abort,
-    current_app,
-    redirect,
-    send_from_directory,
-    url_for,
-)
+from flask import Blueprint, Response, abort, current_app, redirect, send_from_directory, url_for
 from flask.blueprints import BlueprintSetupState
 from markupsafe import escape
 
@@ -59,11 +51,6 @@ PAGE = """<!DOCTYPE html>
 </body>
 </html>
 """
-
-
-def assets_dir() -> Path:
-    """The folder of Swagger UI's files inside the installed flask-swagger-ui package."""
-    return Path(str(resources.files(ASSETS_PACKAGE).joinpath("dist")))
 
 
 @bp.record_once
@@ -111,7 +98,8 @@ def docs_asset(name: str) -> Response:
     """One of Swagger UI's files; the version in the query string only busts caches."""
     if name not in ASSETS:
         abort(404)
-    return send_from_directory(assets_dir(), name, max_age=ASSET_MAX_AGE)
+    assets = Path(str(resources.files(ASSETS_PACKAGE).joinpath("dist")))
+    return send_from_directory(assets, name, max_age=ASSET_MAX_AGE)
 
 
 def asset_url(name: str) -> str:

@@ -12,14 +12,13 @@ from flask import Blueprint, Response, current_app
 
 from petstore import migrations
 from petstore.auth import public
-from petstore.db import get_pool, get_timeout_pin
+from petstore.db import get_pool
 from petstore.errors import error_response
 from petstore.web import json_response
 
 bp = Blueprint("health", __name__)
 log = logging.getLogger(__name__)
 
-# The version this code is (setup.cfg's), as the installed package's metadata says.
 VERSION = metadata.version("petstore")
 
 
@@ -30,7 +29,7 @@ def healthz() -> Response:
     naming what it serves without (an unpinned statement timeout), for the operator, never a
     reason to take it out of service."""
     body: dict[str, object] = {"status": "ok", "version": VERSION}
-    pin = get_timeout_pin()
+    pin = current_app.extensions.get("petstore.timeout_pin")
     warning = None if pin is None else pin.warning()
     if warning is not None:
         body["warnings"] = [warning]
