@@ -23,7 +23,7 @@ import pytest
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 
-from petstore import db, queries
+from petstore import db, queries, tracing
 from petstore.queries import audit as audit_sql
 from petstore.queries import bans as ban_sql
 from petstore.queries import idempotency as idempotency_sql
@@ -228,6 +228,18 @@ def test_every_query_function_is_called_here() -> None:
         if f"{alias}.{name}," not in source
     ]
     assert not missing
+
+
+def test_every_query_function_is_traced() -> None:
+    """A new query function carries @tracing.statement: its statement is a span of the trace."""
+    traced = tracing.statement(lambda: None).__code__
+    untraced = [
+        f"{module.__name__}.{name}"
+        for module in MODULES.values()
+        for name in public_functions(module)
+        if getattr(module, name).__code__ is not traced
+    ]
+    assert not untraced
 
 
 def seed_pets(tx: db.Connection, count: int) -> None:
