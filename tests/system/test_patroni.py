@@ -56,6 +56,13 @@ ENVIRON = {
 }
 # The longest the app may take to answer: a pool wait, a connection attempt per host, a statement.
 APP_BOUND = POOL_TIMEOUT + 2 * CONNECT_TIMEOUT + STATEMENT_TIMEOUT_MS / 1000
+# A statement in flight on a node cut off the network is behind HAProxy, which libpq's TCP
+# timeouts do not see and the commit watch's cancel (sent through HAProxy to that node) cannot
+# reach: it ends when HAProxy marks the node down and cuts its sessions (deploy/haproxy.cfg: two
+# failed checks of up to 1 s connect and 1 s read, the first up to `inter` away, the next
+# `fastinter`: 5.5 s, plus the checks' own scheduling: measured 3.0 to 7.1 s), then the app
+# answers within its own bound.
+HAPROXY_CUTS_WITHIN = 1.0 + 2.0 + 0.5 + 2.0
 CLIENTS = 8
 WARMUP = 2.0
 AFTER_RECOVERY = 2.0
@@ -195,13 +202,15 @@ def under_load(
     return outcome, load
 
 
-def assert_no_write_lost(outcome: Outcome, load: MixedLoad, cluster: Cluster) -> None:
+def assert_no_write_lost(
+    outcome: Outcome, load: MixedLoad, cluster: Cluster, answered_within: float = APP_BOUND
+) -> None:
     """Only 2xx and 503, no request unanswered, writes back in time, one row per 201."""
     assert not load.failures, load.failures[:5]
     assert not load.abandoned, load.abandoned[:5]
     assert outcome.other == 0, sorted({a.status for a in load.answers})
     assert outcome.writes_back_after <= WRITES_BACK_WITHIN, outcome
-    assert outcome.longest <= APP_BOUND, outcome
+    assert outcome.longest <= answered_within, outcome
     with cluster.connect() as conn:
         found = conn.execute(
             "select id from pets where id = any(%s)", [sorted(set(load.created))]
@@ -518,9 +527,9 @@ def cluster_on_hosts(
 def test_the_primary_cut_off_the_network_loses_no_acknowledged_write(
     cluster_on_hosts: tuple[Hosts, Cluster, Deployment],
 ) -> None:
-    """Both links of the primary's host down (no RST: silence): its pooled connections fail within
-    tcp_user_timeout, the standby takes over when the leader's lease expires, and every 201
-    answered before is on it."""
+    """Both links of the primary's host down (no RST: silence): the statements in flight there end
+    when HAProxy marks it down and cuts their sessions, the standby takes over when the leader's
+    lease expires, and every 201 answered before is on it."""
     hosts, cluster, service = cluster_on_hosts
     old = cluster.primary()
     standby = cluster.standby()
@@ -531,5 +540,5 @@ def test_the_primary_cut_off_the_network_loses_no_acknowledged_write(
 
     outcome, load = under_load(cluster, service, "the primary cut off the network", cut_off)
     assert standby.is_primary()
-    assert_no_write_lost(outcome, load, cluster)
+    assert_no_write_lost(outcome, load, cluster, HAPROXY_CUTS_WITHIN + APP_BOUND)
     assert outcome.unavailable > 0, "the cut was not seen"
