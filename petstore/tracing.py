@@ -254,12 +254,18 @@ def finish_request(opened: tuple[Any, object] | None, response: Response) -> Non
     _context.detach(token)
 
 
+def recording() -> Any:
+    """The current span when tracing is on and it records (the request is sampled), else None."""
+    if tracer is None:
+        return None
+    current = _trace.get_current_span()
+    return current if current.is_recording() else None
+
+
 def span(name: str, attributes: Mapping[str, Any] | None = None) -> AbstractContextManager[Any]:
     """A child span of the current one, as a context manager yielding it; one that records
     nothing (Unrecorded) while off, or while the request is not sampled."""
-    if tracer is None or not _trace.get_current_span().is_recording():
-        return NOTHING
-    return _recorded(name, attributes)
+    return NOTHING if recording() is None else _recorded(name, attributes)
 
 
 @contextmanager
@@ -289,9 +295,7 @@ def statement(function: F) -> F:
 
     @functools.wraps(function)
     def traced(*args: Any, **kwargs: Any) -> Any:
-        if tracer is None or not _trace.get_current_span().is_recording():
-            return function(*args, **kwargs)
-        with _recorded(name, attributes):
+        with span(name, attributes):
             return function(*args, **kwargs)
 
     return traced  # type: ignore[return-value]
@@ -299,10 +303,8 @@ def statement(function: F) -> F:
 
 def current_ids() -> tuple[str, str] | None:
     """(trace_id, span_id) in hex of the current span when it records, for the log lines."""
-    if tracer is None:
-        return None
-    current = _trace.get_current_span()
-    if not current.is_recording():
+    current = recording()
+    if current is None:
         return None
     ids = current.get_span_context()
     return f"{ids.trace_id:032x}", f"{ids.span_id:016x}"
