@@ -15,7 +15,7 @@ import io
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +134,27 @@ def caller(app: Flask, key: str) -> Callable[[], int]:
         return int(statuses[0].split()[0])
 
     return call
+
+
+def interleaved_best(
+    call: Callable[[], int],
+    variants: Mapping[str, Callable[[], object]],
+    requests: int,
+    rounds: int,
+) -> dict[str, float]:
+    """Each variant's best round: this thread's CPU seconds for `requests` calls once its setter
+    ran (and one call answered 200); rounds interleaved, the first one to warm up."""
+    best = dict.fromkeys(variants, float("inf"))
+    for round_number in range(rounds + 1):
+        for name, use in variants.items():
+            use()
+            assert call() == 200
+            started = time.thread_time()
+            for _ in range(requests):
+                call()
+            if round_number:
+                best[name] = min(best[name], time.thread_time() - started)
+    return best
 
 
 def request_log_to_null() -> logs.StdoutHandler:

@@ -13,14 +13,15 @@ request. Needs DATABASE_URL (a migrated database; a key is created in it).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import time
 
 from bench.inprocess import (
     EncodingExporter,
     caller,
     close_app,
     hooks_off,
+    interleaved_best,
     provider_sampling,
     request_log_to_null,
 )
@@ -45,18 +46,14 @@ def request_costs(requests: int, rounds: int) -> tuple[dict[str, float], dict[st
         name: None if ratio is None else provider_sampling(ratio, exporters[name])
         for name, ratio in RATIOS.items()
     }
-    best = dict.fromkeys(RATIOS, float("inf"))
     call = caller(app, key)
     try:
-        for round_number in range(rounds + 1):
-            for name, provider in providers.items():
-                tracing.use(provider)
-                assert call() == 200
-                started = time.thread_time()
-                for _ in range(requests):
-                    call()
-                if round_number:  # the first round warms up
-                    best[name] = min(best[name], time.thread_time() - started)
+        best = interleaved_best(
+            call,
+            {name: functools.partial(tracing.use, made) for name, made in providers.items()},
+            requests,
+            rounds,
+        )
         for provider in providers.values():
             if provider is not None:
                 provider.force_flush()

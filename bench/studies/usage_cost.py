@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable
+from types import SimpleNamespace
 
 from flask import Response, g
 
-from bench.inprocess import caller, close_app, request_log_to_null
+from bench.inprocess import caller, close_app, interleaved_best, no_counting, request_log_to_null
 from petstore import config, create_app, db, keys, usage
 
 
@@ -27,7 +27,8 @@ def call_cost(calls: int, rounds: int) -> float:
         response = Response(status=200)
         best = float("inf")
         with app.test_request_context("/v1/pets"):
-            g.caller = {"id": 7, "plan": "free"}
+            # What usage reads of a Caller: its key id and plan.
+            g.caller = SimpleNamespace(key_id=7, plan="free")
             for _ in range(rounds):
                 started = time.thread_time()
                 for _ in range(calls):
@@ -46,23 +47,17 @@ def request_costs(requests: int, rounds: int) -> tuple[float, float]:
     app = create_app({"USAGE_FLUSH_SECONDS": 3600.0, "IP_LIMITS": "1000000000/minute"})
     handler = request_log_to_null()
     counting = usage.count_request
-
-    def no_counting(response: Response) -> None:
-        """The counting left out."""
-
-    variants: dict[str, Callable[[Response], None]] = {"with": counting, "without": no_counting}
-    best = dict.fromkeys(variants, float("inf"))
     call = caller(app, key)
     try:
-        for round_number in range(rounds + 1):
-            for name, count in variants.items():
-                usage.count_request = count  # type: ignore[assignment]
-                assert call() == 200
-                started = time.thread_time()
-                for _ in range(requests):
-                    call()
-                if round_number:  # the first round warms up
-                    best[name] = min(best[name], time.thread_time() - started)
+        best = interleaved_best(
+            call,
+            {
+                "with": lambda: setattr(usage, "count_request", counting),
+                "without": lambda: setattr(usage, "count_request", no_counting),
+            },
+            requests,
+            rounds,
+        )
     finally:
         usage.count_request = counting
         close_app(app)
