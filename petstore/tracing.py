@@ -2,16 +2,9 @@
 
 Nothing imports opentelemetry until `start` makes a worker's tracer provider (gunicorn's
 post_fork: the batch processor's thread is the worker's own). Until then `tracer` is None and
-each hook below is one check of it. The spans of a request (docs/monitoring.rst, "Traces"):
-
-- the server span (pipeline), named by its route, with the status; an incoming W3C
-  `traceparent` is continued, a malformed one starts a new trace;
-- `auth.key_lookup`, with petstore.key_cache hit or miss (auth, keycache);
-- `ratelimit.count`, with petstore.ratelimit.outcome (pipeline, budgets.outcome);
-- one per SQL statement, named by its query function (`statement`, petstore/queries), with no
-  statement text and no parameter values;
-- `durable.write` (durable): a write and its commit, the commit's wait for the synchronous
-  standby included.
+each hook below is one check of it. The spans of a request are listed in docs/monitoring.rst
+("Traces"): the server span (pipeline), auth.key_lookup, ratelimit.count, one per query function
+(`statement`, with no statement text and no parameter values) and durable.write.
 
 No span records an exception's message, a header or a body: an error is its type alone.
 """

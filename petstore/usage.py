@@ -9,14 +9,9 @@ USAGE_FLUSH_SECONDS of requests. Workers and hosts add to the same rows (insert 
 do update), so their counts add up exactly. A batch PostgreSQL refused is kept and added to the
 next one.
 
-Each batch is written as every write is (durable.durable_write): bounded, and written only once
-the synchronous standby has it. A batch whose commit's wait was cancelled (a primary deposed
-behind its back) is kept for the next one, which reaches the new primary: the failover loses
-none of a running worker's counts (the cancelled commit, on the deposed primary alone, goes with
-it; if that primary was not deposed after all, its standby only slow, the batch counts twice).
-A worker that stops before a batch is acknowledged loses it: what it counted since its last
-acknowledged write (docs/faults.rst). The flush at exit takes EXIT_FLUSH_SECONDS past the write
-bound at most, whatever it waits for, so the exit stays within gunicorn's graceful timeout.
+Each batch goes through durable.durable_write: one whose commit's wait was cancelled is kept for
+the next, and the flush at exit ends within EXIT_FLUSH_SECONDS past the write bound (what a
+failover may cost: docs/faults.rst).
 
 Requests without a valid key are counted under key id 0 (AGGREGATE), never per client address.
 Paths outside /v1 (the probes, /metrics) are not counted.
