@@ -39,6 +39,7 @@ from psycopg import conninfo
 
 from petstore import db
 from tests.support.checks import Answer
+from tests.support.freshness import FRESH_WITHIN, READ_MAX_LAG, FreshReads
 from tests.support.haproxy import HAProxy
 from tests.support.load import HTTP_TIMEOUT, MixedLoad
 from tests.support.nginx import Deployment, deploy
@@ -123,6 +124,10 @@ class Stack(Service):
         environ = {
             **ENVIRON,
             "DATABASE_URL": self.haproxy.url(connect_timeout=CONNECT_TIMEOUT),
+            # Lists and gets on the standby while there is one, the first leader's host first, as
+            # docs/deploying.rst shows it ("Reads on standbys").
+            "PETSTORE_READ_DATABASE_URL": self.cluster.url(attrs="prefer-standby"),
+            "PETSTORE_READ_MAX_LAG_SECONDS": str(READ_MAX_LAG),
             "RATELIMIT_STORAGE_URI": self.cluster.redis.url(),
         }
         self.deployment = self.running.enter_context(
@@ -246,9 +251,11 @@ class Run:
     rss_start: dict[int, int]
     rss_end: dict[int, int]
     load: SoakLoad
+    reads: FreshReads
     faults: list[tuple[float, str, float, str]]
     rows: int
     rows_of_201s: int
+    probe_rows: int
 
 
 def header(run: Run) -> list[str]:
@@ -347,6 +354,43 @@ def rows_section(run: Run) -> list[str]:
     ]
 
 
+def freshness_section(run: Run) -> list[str]:
+    """The read probe's pets and listings, in all and per slice (its fault)."""
+    period = run.args.fault_every * 60
+    slices = max(1, math.ceil(run.args.minutes * 60 / period - 1e-6))
+    reads = run.reads
+    rows = []
+    for number in range(slices):
+        low, high = run.started + number * period, run.started + (number + 1) * period
+        fault = next((name for at, name, _, _ in run.faults if low <= run.started + at < high), "")
+        rows.append(
+            f"| {number * period / 60:g} min | {fault} | {reads.summary(reads.between(low, high))} |"
+        )
+    return [
+        "## Read freshness",
+        "",
+        f"A client created a sold pet, then listed `?status=sold&after=<id - 1>&limit=1` every "
+        f"0.1 s for {FRESH_WITHIN + 0.5:g} s, again and again; lists and gets read on the standby "
+        f"(PETSTORE_READ_DATABASE_URL prefer-standby, PETSTORE_READ_MAX_LAG_SECONDS "
+        f"{READ_MAX_LAG:g}). A listing is stale when it is made more than {FRESH_WITHIN:g} s "
+        f"after the pet's 201 and lacks the pet.",
+        "",
+        f"Stale reads: {len(reads.stale())}. In all: {reads.summary()}; {run.probe_rows} of "
+        f"the {len(reads.probes)} probe pets are rows on the primary at the end"
+        + (
+            f"; answers other than 200, 201 and 503: {reads.unexpected[:5]}"
+            if reads.unexpected
+            else ""
+        )
+        + ".",
+        "",
+        "| slice | fault | the probe |",
+        "|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def rss_section(run: Run) -> list[str]:
     """Each worker's RSS at the start and the end; the killed ones and their replacements apart."""
     lines = [
@@ -388,6 +432,7 @@ def report(run: Run) -> str:
             *slices_section(run),
             *statuses_section(run),
             *rows_section(run),
+            *freshness_section(run),
             *rss_section(run),
         ]
     )
@@ -400,8 +445,9 @@ def soak(args: argparse.Namespace, workdir: Path) -> Run:
         load = SoakLoad(
             stack.service.url, stack.cluster.key, "soak", clients=args.clients, create_deadline=60
         )
+        reads = FreshReads(stack.service.url, stack.cluster.key)
         started = time.monotonic()
-        with load.running():
+        with load.running(), reads.running():
             time.sleep(min(10.0, period / 4))  # every worker has its pool and has answered
             rss_start = worker_rss(stack.service)
             faults = []
@@ -422,9 +468,23 @@ def soak(args: argparse.Namespace, workdir: Path) -> Run:
             found = conn.execute(
                 "select count(*) as n from pets where id = any(%s)", [sorted(set(load.created))]
             ).fetchone()
-        assert found is not None
+            probed = conn.execute(
+                "select count(*) as n from pets where id = any(%s)",
+                [[probe.pet_id for probe in reads.probes]],
+            ).fetchone()
+        assert found is not None and probed is not None
     return Run(
-        args, started, ended, rss_start, rss_end, load, faults, sum(names.values()), found["n"]
+        args,
+        started,
+        ended,
+        rss_start,
+        rss_end,
+        load,
+        reads,
+        faults,
+        sum(names.values()),
+        found["n"],
+        probed["n"],
     )
 
 
@@ -471,8 +531,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         if abs(run.rss_end[pid] - run.rss_start[pid]) > RSS_FLAT * run.rss_start[pid]
     ]
     statuses = {a.status for a in run.load.answers}
-    lost = run.rows_of_201s != len(set(run.load.created))
-    if unflat or lost or statuses - {200, 201, 503} or run.load.failures or run.load.abandoned:
+    lost = run.rows_of_201s != len(set(run.load.created)) or run.probe_rows != len(run.reads.probes)
+    if (
+        unflat
+        or lost
+        or run.reads.stale()
+        or run.reads.unexpected
+        or statuses - {200, 201, 503}
+        or run.load.failures
+        or run.load.abandoned
+    ):
         sys.exit("the soak found a problem: see the report")
 
 

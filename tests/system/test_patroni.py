@@ -30,7 +30,7 @@ import yaml
 from psycopg import conninfo
 
 from tests.support import reports
-from tests.support.checks import call
+from tests.support.freshness import FRESH_WITHIN, READ_MAX_LAG, FreshReads
 from tests.support.haproxy import HAProxy
 from tests.support.hosts import Hosts, cut, ip
 from tests.support.load import MixedLoad
@@ -341,55 +341,6 @@ def test_kill_9_of_the_primary_patroni_alone_loses_no_acknowledged_write(
     assert outcome.unavailable > 0, "the failover was not seen"
 
 
-# The read pools' lag bound (PETSTORE_READ_MAX_LAG_SECONDS, its default) and the issue's: every
-# listing made this long after a pet's 201 holds that pet.
-READ_MAX_LAG = 1.0
-FRESH_WITHIN = READ_MAX_LAG + 1.0
-
-
-@dataclass
-class Probe:
-    """One sold pet created, then the filtered listing polled for it."""
-
-    pet_id: int
-    created_at: float  # monotonic, when its 201 came
-    # (seconds from the 201 to each listing's start, whether it held the pet), 200s only.
-    listings: list[tuple[float, bool]]
-
-    def stale(self) -> list[float]:
-        """The listings made past FRESH_WITHIN that lacked the pet (seconds after the 201)."""
-        return [after for after, held in self.listings if after > FRESH_WITHIN and not held]
-
-
-def probe_reads(base_url: str, key: str, stop: threading.Event, probes: list[Probe]) -> None:
-    """Create a sold pet (its Idempotency-Key retried on 503), then list the sold pets from it
-    on for FRESH_WITHIN + 0.5 s, every 0.1 s; again until `stop`."""
-    headers = {"Authorization": f"Bearer {key}"}
-    number = 0
-    while not stop.is_set():
-        number += 1
-        pet = {"name": f"fresh-{number}", "categoryId": 7, "status": "sold"}
-        idempotency = {**headers, "Idempotency-Key": f"fresh-reads-{os.getpid()}-{number}"}
-        created = call(base_url, "POST", "/v1/pets", headers=idempotency, json_body=pet)
-        while created.status == 503 and not stop.is_set():
-            time.sleep(0.2)
-            created = call(base_url, "POST", "/v1/pets", headers=idempotency, json_body=pet)
-        if created.status != 201:
-            continue
-        probe = Probe(created.body["id"], time.monotonic(), [])
-        probes.append(probe)
-        path = f"/v1/pets?status=sold&after={probe.pet_id - 1}&limit=1"
-        while time.monotonic() - probe.created_at < FRESH_WITHIN + 0.5:
-            started = time.monotonic() - probe.created_at
-            listed = call(base_url, "GET", path, headers=headers)
-            if listed.status == 200:
-                held = [p["id"] for p in listed.body] == [probe.pet_id]
-                probe.listings.append((started, held))
-            else:
-                assert listed.status == 503, listed
-            time.sleep(0.1)
-
-
 def test_reads_stay_fresh_when_the_primary_patroni_alone_is_killed(
     cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -422,13 +373,8 @@ def test_reads_stay_fresh_when_the_primary_patroni_alone_is_killed(
             "RATELIMIT_STORAGE_URI": cluster.redis.url(),
         }
         with deploy(environ, workdir / "web", instances=2, workers=2, threads=4) as service:
-            probes: list[Probe] = []
-            stop = threading.Event()
-            client = threading.Thread(
-                target=probe_reads, args=(service.url, cluster.key, stop, probes), daemon=True
-            )
-            client.start()
-            try:
+            reads = FreshReads(service.url, cluster.key)
+            with reads.running():
                 time.sleep(WARMUP)
                 fault_at = time.monotonic()
                 old.kill_patroni()
@@ -452,27 +398,15 @@ def test_reads_stay_fresh_when_the_primary_patroni_alone_is_killed(
                 cluster.wait_for_sync_standby(old)
                 window_to = time.monotonic()
                 time.sleep(FRESH_WITHIN + 2.0)
-            finally:
-                stop.set()
-                client.join(timeout=30)
-    listings = sum(len(probe.listings) for probe in probes)
-    in_window = [p for p in probes if window_from <= p.created_at <= window_to]
-    stale = [(probe.pet_id, probe.stale()) for probe in probes if probe.stale()]
-    worst = max(
-        (max((a for a, held in p.listings if not held), default=0.0) for p in probes), default=0.0
-    )
-    print(
-        f"\nfresh reads: {len(probes)} pets created, {listings} listings, the latest miss "
-        f"{worst:.2f} s after its 201, {len(stale)} pets with a listing staler than "
-        f"{FRESH_WITHIN:g} s"
-    )
+    in_window = reads.between(window_from, window_to)
+    print(f"\nfresh reads: {reads.summary()}")
     print(f"{len(in_window)} pets created between the promotion and the old leader's demotion")
-    assert not client.is_alive()
+    assert not reads.unexpected, reads.unexpected[:5]
     assert cluster.primary() is standby
     # The window between the promotion and the old leader's demotion was probed.
-    assert len(in_window) >= 2, (window_to - window_from, len(probes))
+    assert len(in_window) >= 2, (window_to - window_from, len(reads.probes))
     assert all(len(p.listings) >= 10 for p in in_window), [len(p.listings) for p in in_window]
-    assert not stale, stale[:5]
+    assert not reads.stale(), reads.stale()[:5]
 
 
 def test_a_planned_switchover_loses_no_acknowledged_write(
