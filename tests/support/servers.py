@@ -29,12 +29,20 @@ ACCESS_PID_FORMAT = "'access %(p)s %(s)s %(r)s'"
 ACCESS_PID_HEALTHZ = re.compile(r"access <(\d+)> 200 GET /healthz")
 
 
+# Ports this process has handed out: the kernel may give a just-closed port again, and two
+# listeners of one server (nginx's HTTP and HTTPS) asked for in a row must not get the same one.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that nothing listens on now and that no earlier call returned."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((LOOPBACK, 0))
+            port: int = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def accepts_connections(port: int, host: str = LOOPBACK, timeout: float = 1.0) -> bool:
