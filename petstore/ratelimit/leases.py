@@ -128,6 +128,7 @@ class Leases:
         idle_seconds: float,
         workers_key: str,
         clock: Callable[[], float] = time.time,
+        name: str = "",
     ) -> None:
         self.storage = storage
         self.hot_rate = hot_rate
@@ -139,6 +140,9 @@ class Leases:
         self.lock = threading.Lock()
         # The workers that share the limits, this one included: known from their heartbeats.
         self.sharers = 1
+        # This worker in the set of workers: its host and pid, and `name` when one process plays
+        # several workers (tests).
+        self.name = name
         self.member = ""
         self.pid = 0
         self.next_beat = 0.0
@@ -162,7 +166,7 @@ class Leases:
                     return budget.refused
                 budget.refused = []
             if budget.tokens:
-                if now < budget.until:
+                if now < budget.until and now - budget.used_at < self.idle_seconds:
                     budget.tokens -= 1
                     budget.used_at = now
                     return budget.lease_answer()
@@ -206,7 +210,7 @@ class Leases:
             if self.pid == os.getpid():
                 return
             self.pid = os.getpid()
-            self.member = f"{socket.gethostname()}/{self.pid}"
+            self.member = f"{socket.gethostname()}/{self.pid}{self.name}"
             self.budgets.clear()
             self.giving_back.clear()
         Keeper(self).start()
