@@ -403,12 +403,18 @@ class CountingClusterStorage(CountingRedisStorage, RedisClusterStorage):
             now = reserved.now
             if reserved.granted < granted:
                 ends = [end for _count, end in counted[:at]]
-                for earlier, end in zip(windows[:at], ends, strict=True):
-                    self.release_windows([earlier], granted - reserved.granted, [end])
+                self.release_windows(windows[:at], granted - reserved.granted, ends)
                 granted = reserved.granted
             if not granted:
                 break
         return Reservation(granted, counted, now)
+
+    def release_windows(
+        self, windows: Sequence[StorageWindow], unspent: int, ends: Sequence[float]
+    ) -> None:
+        """Give `unspent` requests back window by window (one slot per call)."""
+        for window, end in zip(windows, ends, strict=True):
+            super().release_windows([window], unspent, [end])
 
 
 def incr_each(

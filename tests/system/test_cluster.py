@@ -96,6 +96,27 @@ def test_the_cluster_scheme_counts_in_one_call(cluster: list[RedisClusterNode]) 
         client.close()
 
 
+def test_a_lease_is_reserved_and_given_back_window_by_window(
+    cluster: list[RedisClusterNode],
+) -> None:
+    """A lease's windows may live on different nodes: each grants at most what the one before it
+    did, the earlier ones get back the difference, and a spent window grants nothing."""
+    storage = storages.CountingClusterStorage(
+        storages.storage_uri(storage_uri(cluster)), socket_timeout=1.0
+    )
+    windows = [("lease/minute", 60, 100), ("lease/day", 600, 30)]
+    assert len({storage.prefixed_key(key) for key, _, _ in windows}) == 2
+    leased = storage.reserve_windows(windows, 80, 1)
+    # The minute grants 50 (half of what is left, one worker), the day 15: the minute gets 35 back.
+    assert leased.granted == 15
+    assert [storage.get(key) for key, _, _ in windows] == [15, 15]
+    storage.release_windows(windows, 5, [end for _count, end in leased.counted])
+    assert [storage.get(key) for key, _, _ in windows] == [10, 10]
+    granted = [storage.reserve_windows(windows, 80, 1).granted for _ in range(12)]
+    assert sum(granted) == 20 and granted[-1] == 0, granted
+    assert [storage.get(key) for key, _, _ in windows] == [30, 30]
+
+
 def test_limits_are_exact_across_workers_and_bans_hold(
     cluster: list[RedisClusterNode], scratch_url: str, tmp_path: Path
 ) -> None:
