@@ -2,7 +2,8 @@
 
 A cold key costs one Redis call per request (storages.INCR_WINDOWS), which bounds one busy key
 by one Redis core. A key turns hot in a worker once the worker has seen it for a second without
-a pause and the last whole second brought at least RATELIMIT_HOT_RATE of its requests. A hot key
+a pause and the last whole second brought at least RATELIMIT_HOT_RATE of its requests, and stays
+hot there until a second passes without one. A hot key
 reserves a lease (storages.RESERVE_WINDOWS): requests counted in each of its windows before they
 are spent, at most LEASE_SECONDS of the worker's own rate and at most what is left unreserved
 divided by twice the workers that share the limits, but one while anything is left. So near
@@ -62,21 +63,23 @@ Budgets = tuple[tuple[RateLimitItem, ...], tuple[str, ...]]
 
 
 class Rate:
-    """A budget's requests in this worker, per whole second, and how long they came without a
-    pause of a second."""
+    """A budget's requests in this worker, per whole second, how long they came without a pause
+    of a second, and whether they made the key hot."""
 
-    __slots__ = ("current", "last", "second", "seen", "since")
+    __slots__ = ("current", "heated", "last", "second", "seen", "since")
 
     def __init__(self, now: float) -> None:
         self.second = int(now)
         self.current = 0  # requests in `second`
         self.last = 0  # requests in the second before it
         self.since = self.seen = now
+        self.heated = False
 
     def add(self, now: float) -> None:
         """Count a request at `now`."""
         if now - self.seen > 1.0:
             self.since = now
+            self.heated = False
         self.seen = now
         second = int(now)
         if second != self.second:
@@ -85,8 +88,11 @@ class Rate:
         self.current += 1
 
     def hot(self, threshold: int, now: float) -> bool:
-        """Seen for a second without a pause, at least `threshold` requests in the last whole one."""
-        return now - self.since >= 1.0 and self.last >= threshold
+        """Seen for a second without a pause, at least `threshold` requests in the last whole one;
+        then hot until the next pause (a worker near the threshold does not flip each second)."""
+        if not self.heated:
+            self.heated = now - self.since >= 1.0 and self.last >= threshold
+        return self.heated
 
     def per_second(self) -> int:
         """The rate a lease is sized by."""

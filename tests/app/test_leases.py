@@ -22,7 +22,7 @@ from petstore.ratelimit.bans import Tallies
 from petstore.ratelimit.leases import Leases, Result
 from petstore.ratelimit.limiter import shares
 
-HOT_RATE = 10
+HOT_RATE = 5
 IDLE_SECONDS = 1.0
 WORKERS = 4
 # The hot key: 1,000 per 5 s (its "minute") and 100,000 per 60 s (its "day"), at 1,200 requests a
