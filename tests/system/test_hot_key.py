@@ -673,7 +673,11 @@ def test_hot_key_costs_few_redis_calls_and_never_over_admits(
             f"in the day {admitted} (at most {PER_DAY})",
         ),
         (spread <= 1, f"(b) Reset of one window across instances and workers: {spread} s apart"),
-        (not overstated, f"(b) 200s showing more Remaining than can remain: {len(overstated)}"),
+        (
+            not overstated,
+            f"(b) 200s showing more Remaining than can remain: {len(overstated)}"
+            + (f", such as {overstated[0]}" if overstated else ""),
+        ),
         (
             bool(full) and least >= PER_MINUTE - EARLY_REFUSALS,
             f"(c) least admitted in a full window {least}, of {len(full)} full "
@@ -726,30 +730,16 @@ def test_hot_key_costs_few_redis_calls_and_never_over_admits(
     problems = header_problems([*hot, *cold])
     assert problems == [], problems[:5]
 
-    # (a) Redis calls of the hot key.
-    assert ratio(hot_calls.counting, len(hot)) <= COUNTING_PER_REQUEST, lines
-    assert ratio(hot_calls.counting, admitted) <= COUNTING_PER_ADMITTED, lines
-    assert ratio(hot_calls.everything, len(hot)) <= ALL_PER_REQUEST, lines
-
-    # (b) Never above the limit: per minute window, by its Reset, the same on every instance.
-    for window in windows:
-        assert window.spread <= 1, (window.row(first_wall), sorted(window.resets))
-        assert len(window.admitted) <= PER_MINUTE, window.row(first_wall)
-    assert admitted <= PER_DAY
-    assert overstated == [], (len(overstated), overstated[:5])
-
-    # (c) Refusing early, bounded: each full window admits nearly its limit.
-    assert len(full) >= int((HOT_KEY_SECONDS - RESET_ROUNDING) // 60), lines
-    for window in full:
-        assert len(window.admitted) >= PER_MINUTE - EARLY_REFUSALS, window.row(first_wall)
-
-    # (d) The cold key: exactly one call per request, the counting script's EVALSHA (no RESERVE).
     assert cold_statuses == {200: len(cold)}, cold_statuses
-    assert len(cold_named) == len(cold), (len(cold_named), len(cold), cold_calls.kinds)
-    assert all(found.command == "EVALSHA" and found.args[1] == incr_sha for found in cold_named), (
-        cold_calls.kinds
-    )
-    assert all(met for met, _line in targets), [line for met, line in targets if not met]
+    # (c) needs full windows: a run of HOT_KEY_SECONDS has this many, minus the one Reset's
+    # rounding may leave out.
+    assert len(full) >= int((HOT_KEY_SECONDS - RESET_ROUNDING) // 60), [
+        w.row(first_wall) for w in windows
+    ]
+    # (a) to (d): every target missed, with its measured number (the report has them all).
+    missed = [line for met, line in targets if not met]
+    assert missed == [], missed
+    assert all(found.command == "EVALSHA" and found.args[1] == incr_sha for found in cold_named)
 
 
 # (e) Redis down -------------------------------------------------------------------------------
@@ -828,12 +818,9 @@ def test_hot_key_with_redis_down_admits_at_most_twice_the_limit(
 
     failures = [s for s in everything if s.status == 0]
     assert failures == [], failures[:5]
-    assert set(statuses(everything)) <= {200, 429}, statuses(everything)
-    assert slowest.elapsed < ANSWER_WITHIN, slowest
     # Before the outage, the headers are Redis's; meanwhile each worker counts its own share.
     problems = header_problems([s for s in everything if s.sent < killed])
     assert problems == [], problems[:5]
-    # At most twice the limit within any minute; and the fallback admits: one worker's share at least.
-    assert most <= 2 * PER_MINUTE, lines
-    assert statuses(down)[200] >= PER_MINUTE // (INSTANCES * WORKERS), lines
+    missed = [line for met, line in targets if not met]
+    assert missed == [], missed
     assert statuses(cold) == {200: len(cold)}, statuses(cold)
