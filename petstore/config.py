@@ -207,6 +207,10 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "PETSTORE_RATELIMIT_STRATEGY": ("RATELIMIT_STRATEGY", _one_of(STRATEGIES), "fixed-window"),
     # Off: the limits library's own storages instead of petstore.ratelimit.storages (the bench compares).
     "PETSTORE_RATELIMIT_TUNED_STORAGES": ("RATELIMIT_TUNED_STORAGES", _switch, True),
+    # A key this many requests a second in one worker counts from leases (petstore.ratelimit.leases);
+    # 0: every request counted in the storage. Unspent leases go back after this long unused.
+    "PETSTORE_RATELIMIT_HOT_RATE": ("RATELIMIT_HOT_RATE", _int(0), 10),
+    "PETSTORE_LEASE_IDLE_SECONDS": ("LEASE_IDLE_SECONDS", _float(0.05), 1.0),
     "PETSTORE_IP_LIMITS": ("IP_LIMITS", _limits, "60/minute;1000/day"),
     "PETSTORE_ANONYMOUS_CLIENTS": ("ANONYMOUS_CLIENTS", _int(1), 10_000),
     # How long a worker uses a key's row before asking the database again (petstore.keycache).

@@ -3,8 +3,10 @@ client address's limits), strikes and bans for keys that call on after 429, and 
 
 - budgets.py: counting, the X-RateLimit-* and RateLimit-Policy/RateLimit fields, a key's
   standing for GET /v1/rate_limit;
-- bans.py: strikes after 429s, bans in PostgreSQL, 429 api_key_banned, clearing strikes;
+- bans.py: strikes after 429s (a hot key's in batches), bans in PostgreSQL, 429
+  api_key_banned, clearing strikes;
 - limiter.py: the flask-limiter adapter (`PlanLimiter`), which the pipeline drives;
+- leases.py: a hot key counted from leases of its budget, and the workers that share it;
 - storages.py: the limiter's storages (fewer round trips) and their options;
 - here: set-up, `init_app`, with the guard against memory:// in several workers.
 """
@@ -21,6 +23,7 @@ from limits import parse_many
 from petstore import metrics
 from petstore.config import ConfigError
 from petstore.ratelimit import storages
+from petstore.ratelimit.bans import Tallies
 from petstore.ratelimit.budgets import AnonymousClients
 from petstore.ratelimit.limiter import PlanLimiter
 from petstore.ratelimit.storages import storage_options
@@ -67,8 +70,14 @@ def init_app(app: Flask) -> None:
         in_memory_fallback_enabled=True,
     )
     limiter.init_app(app)
+    limiter.lease_hot_keys(
+        config["RATELIMIT_HOT_RATE"],
+        config["LEASE_IDLE_SECONDS"],
+        f"{config['RATELIMIT_STRATEGY']}/workers",
+    )
     limiter.on_fallback = metrics.ratelimit_storage_failed  # type: ignore[method-assign]
     app.extensions["petstore.limiter"] = limiter
+    app.extensions["petstore.strike_tallies"] = Tallies()
     ip_limits = tuple(sorted(parse_many(config["IP_LIMITS"])))
     app.extensions["petstore.ip_limits"] = ip_limits
     app.extensions["petstore.anonymous_clients"] = (

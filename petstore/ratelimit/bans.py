@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
@@ -22,6 +24,11 @@ from petstore.ratelimit import storages
 from petstore.ratelimit.limiter import PlanLimiter
 
 log = logging.getLogger(__name__)
+
+# A hot key's strikes in one worker are counted in the storage at most this often (Tallies).
+STRIKE_BATCH_SECONDS = 1.0
+# A tally with nothing pending is forgotten after this long.
+FORGET_TALLY_SECONDS = 120.0
 
 
 def seconds_until(instant: float) -> int:
@@ -121,18 +128,99 @@ def ban_key(
     )
 
 
-def strike(limiter: PlanLimiter, caller: Caller, spent: RateLimitItem) -> str:
+@dataclass(slots=True)
+class Tally:
+    """A key's strikes in this worker not yet counted in the storage, and the storage's count."""
+
+    pending: int = 0
+    known: int = 0
+    counted_at: float = 0.0
+
+
+class Tallies:
+    """Strikes of the requests a worker refuses from a remembered refusal (a hot key,
+    petstore.ratelimit.leases), counted in the storage in batches: at most once every
+    STRIKE_BATCH_SECONDS per key, and at once when they would reach the ban threshold. So a key
+    is banned at most one batch of each worker's refusals past the threshold."""
+
+    def __init__(self) -> None:
+        self.tallies: dict[int, Tally] = {}
+        self.lock = threading.Lock()
+
+    def add(self, key_id: int, threshold: int, now: float) -> tuple[int, int]:
+        """Tally a strike: (the strikes to count in the storage now, 0 while not due; the strikes
+        the 429 shows)."""
+        with self.lock:
+            tally = self.tallies.get(key_id)
+            if tally is None:
+                tally = self.tallies[key_id] = Tally(counted_at=now)
+            tally.pending += 1
+            shown = tally.known + tally.pending
+            if now - tally.counted_at < STRIKE_BATCH_SECONDS and shown < threshold:
+                return 0, shown
+            due, tally.pending, tally.counted_at = tally.pending, 0, now
+            for other, quiet in list(self.tallies.items()):
+                if not quiet.pending and now - quiet.counted_at > FORGET_TALLY_SECONDS:
+                    del self.tallies[other]
+            return due, shown
+
+    def counted(self, key_id: int, strikes: int) -> None:
+        """The storage's count of the key's strikes, after a batch (0 after a ban)."""
+        with self.lock:
+            tally = self.tallies.get(key_id)
+            if tally is not None:
+                tally.known = strikes
+
+    def pending(self, key_id: int) -> int:
+        """The key's strikes tallied here and not yet counted in the storage."""
+        tally = self.tallies.get(key_id)
+        return 0 if tally is None else tally.pending
+
+
+def tallies() -> Tallies:
+    """The current app's strike tallies."""
+    found: Tallies = current_app.extensions["petstore.strike_tallies"]
+    return found
+
+
+def strike(
+    limiter: PlanLimiter, caller: Caller, spent: RateLimitItem, batched: bool = False
+) -> tuple[tuple[Shown, APIError] | None, str]:
     """Count a 429 against the key in the limiter storage; at the threshold, ban it in PostgreSQL.
+
+    First the key as the database has it now (`reread`): a key banned meanwhile gets its 429
+    api_key_banned, returned first. `batched`: the 429 came from a remembered refusal, and its
+    strike is tallied (Tallies) and counted with the next batch.
 
     Returns the sentence the 429's message ends with: how many more refused requests in this
     window ban the key, and for how long; or that it is now banned. The 429 stands even when the
     strike cannot be counted or the ban stored (the sentence is empty then).
     """
     config = current_app.config
+    strikes = 1
+    if batched:
+        strikes, shown = tallies().add(caller.key_id, config["BAN_THRESHOLD"], time.time())
+        if not strikes:
+            return None, warning(config, shown)
+    caller = reread(caller)
+    ban_shown, banned = refuse_banned(caller)
+    if banned is not None:
+        assert ban_shown is not None
+        return (ban_shown, banned), ""
+    return None, count_strikes(limiter, caller, spent, strikes, batched)
+
+
+def count_strikes(
+    limiter: PlanLimiter, caller: Caller, spent: RateLimitItem, strikes: int, batched: bool
+) -> str:
+    """strike's count in the storage and its ban at the threshold: the 429's sentence."""
+    config = current_app.config
     storage = limiter.limiter.storage
     strikes_at = caller_strike_key(config, caller)
     try:
-        strikes = storage.incr(strikes_at, spent.get_expiry())
+        strikes = storage.incr(strikes_at, spent.get_expiry(), strikes)
+        if batched:
+            tallies().counted(caller.key_id, strikes)
         if strikes < config["BAN_THRESHOLD"]:
             return warning(config, strikes)
         conn = db.get_conn()
@@ -144,6 +232,8 @@ def strike(limiter: PlanLimiter, caller: Caller, spent: RateLimitItem) -> str:
         keycache.current().forget(caller.key_id)
         # A new ban starts a new count: after it ends, the key gets a full threshold again.
         storage.clear(strikes_at)
+        if batched:
+            tallies().counted(caller.key_id, 0)
     except Exception:
         log.exception("cannot count a strike against key %s", caller.key_id)
         return ""

@@ -53,9 +53,9 @@ def count(caller: Caller | None) -> tuple[Shown | None, APIError | None]:
     (what X-RateLimit-* show, the refusal if any).
 
     Every limit is counted, smallest window first, as flask-limiter does; the first one spent
-    answers 429 and counts a strike against the key, unless the database says the key is banned
-    meanwhile (429 api_key_banned then). Otherwise the headers show the limit nearest to running
-    out.
+    answers 429 and counts a strike against the key (bans.strike), unless the database says the
+    key is banned meanwhile (429 api_key_banned then). Otherwise the headers show the limit
+    nearest to running out.
     """
     limiter = get_limiter()
     if not limiter.enabled:
@@ -69,12 +69,11 @@ def count(caller: Caller | None) -> tuple[Shown | None, APIError | None]:
         if not allowed:
             warning = ""
             if caller is not None:
-                caller = bans.reread(caller)
-                ban_shown, banned = bans.refuse_banned(caller)
-                if banned is not None:
-                    return ban_shown, banned
                 # No ban without warning: each 429 of a key says how many more ban it.
-                warning = bans.strike(limiter, caller, limit)
+                batched = limiter.refusing(limits, prefix, who, SCOPE)
+                banned, warning = bans.strike(limiter, caller, limit, batched)
+                if banned is not None:
+                    return banned
             return Shown(limit, 0, math.ceil(reset), limits), APIError(
                 429,
                 f"Rate limit exceeded: {limit.amount} per {limit.GRANULARITY.name}.{warning}",
@@ -205,6 +204,7 @@ def rate_limit_standing(caller: Caller) -> tuple[dict[str, Any], Shown]:
     try:
         stood = window_stats(limiter, prefix, who, limits)
         strikes = limiter.limiter.storage.get(bans.caller_strike_key(config, caller))
+        strikes += bans.tallies().pending(caller.key_id)
     except Exception:
         log.exception("cannot read the rate limit windows")
         raise APIError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -27,7 +28,8 @@ from flask_limiter import Limiter
 from limits import RateLimitItem
 from limits.strategies import FixedWindowRateLimiter, RateLimiter
 
-from petstore.ratelimit.storages import StorageWindow
+from petstore.ratelimit.leases import Leases, Result, counted
+from petstore.ratelimit.storages import storage_windows
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class PlanLimiter(Limiter):
     """flask-limiter with no hooks of its own: the pipeline counts each request once through `count`."""
 
     next_storage_check = 0.0
+    # A hot key's leases (petstore.ratelimit.leases), on Redis with the fixed window.
+    leases: Leases | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -53,21 +57,35 @@ class PlanLimiter(Limiter):
         super().init_app(app)
         detach_hooks(app, self)
 
-    def count(
-        self, items: tuple[RateLimitItem, ...], *identifiers: str
-    ) -> list[tuple[bool, int, float]]:
+    def lease_hot_keys(self, hot_rate: int, idle_seconds: float, workers_key: str) -> None:
+        """Count hot keys from leases (petstore.ratelimit.leases), where the storage can lease:
+        Redis, with the fixed window."""
+        if (
+            hot_rate
+            and type(self.limiter) is FixedWindowRateLimiter
+            and hasattr(self.storage, "reserve_windows")
+        ):
+            self.leases = Leases(self.storage, hot_rate, idle_seconds, workers_key)
+
+    def count(self, items: tuple[RateLimitItem, ...], *identifiers: str) -> list[Result]:
         """Count one request against each of `items` in turn, up to the first one it exceeds:
         (within the limit, remaining, reset time) of each.
 
         The fixed window, the default strategy, is counted in one call of our storages
-        (petstore.ratelimit.storages: one round trip on Redis); the other strategies through their `hit`
-        and `get_window_stats`. A storage that fails sends this and every later count to the
+        (petstore.ratelimit.storages: one round trip on Redis), or from a hot key's lease
+        (petstore.ratelimit.leases); the other strategies through their `hit` and
+        `get_window_stats`. A storage that fails sends this and every later count to the
         in-memory fallback, until the storage answers its check again (at most one check per
-        STORAGE_RECHECK_SECONDS).
+        STORAGE_RECHECK_SECONDS). There each worker counts its share of every limit: the limit
+        divided by the workers its leases know share it.
         """
         if self._storage_dead:
             self.recheck_storage()
         try:
+            if self._storage_dead:
+                return self.count_in_fallback(items, identifiers)
+            if self.leases is not None:
+                return self.leases.count(items, identifiers)
             return count_windows(self.limiter, items, identifiers)
         except Exception:
             if not self._in_memory_fallback_enabled:
@@ -80,7 +98,19 @@ class PlanLimiter(Limiter):
                         "Rate limit storage unreachable - falling back to in-memory storage"
                     )
                     self.on_fallback()
-            return count_windows(self.fallback, items, identifiers)
+            return self.count_in_fallback(items, identifiers)
+
+    def count_in_fallback(
+        self, items: tuple[RateLimitItem, ...], identifiers: tuple[str, ...]
+    ) -> list[Result]:
+        """count, in memory while the storage is down: this worker's share of each limit."""
+        sharers = 1 if self.leases is None else self.leases.sharers
+        return count_windows(self.fallback, shares(items, sharers), identifiers)
+
+    def refusing(self, items: tuple[RateLimitItem, ...], *identifiers: str) -> bool:
+        """Whether a hot key's requests are refused in this worker until its window ends (its
+        strikes are then counted in batches)."""
+        return self.leases is not None and self.leases.refusing(items, identifiers)
 
     @property
     def fallback(self) -> RateLimiter:
@@ -115,27 +145,25 @@ class PlanLimiter(Limiter):
 
 
 @functools.lru_cache(maxsize=4096)
-def storage_windows(
-    items: tuple[RateLimitItem, ...], identifiers: tuple[str, ...]
-) -> list[StorageWindow]:
-    """The storage's windows to count each item in, as (storage key, expiry, amount): made once
-    per budget, not once per request."""
-    return [(item.key_for(*identifiers), item.get_expiry(), item.amount) for item in items]
+def shares(items: tuple[RateLimitItem, ...], sharers: int) -> tuple[RateLimitItem, ...]:
+    """Each item's share among `sharers` workers (rounded up): what one worker may admit alone."""
+    if sharers <= 1:
+        return items
+    return tuple(
+        type(item)(math.ceil(item.amount / sharers), item.multiples, item.namespace)
+        for item in items
+    )
 
 
 def count_windows(
     strategy: RateLimiter, items: tuple[RateLimitItem, ...], identifiers: tuple[str, ...]
-) -> list[tuple[bool, int, float]]:
+) -> list[Result]:
     """(within the limit, remaining, reset time) of each item counted with `strategy`, up to
     the first one the request exceeds."""
     incr_windows = getattr(strategy.storage, "incr_windows", None)
     if type(strategy) is FixedWindowRateLimiter and incr_windows is not None:
-        counted = incr_windows(storage_windows(items, identifiers))
-        return [
-            (count <= item.amount, max(0, item.amount - count), reset)
-            for item, (count, reset) in zip(items, counted, strict=False)
-        ]
-    results = []
+        return counted(items, incr_windows(storage_windows(items, identifiers)))
+    results: list[Result] = []
     for item in items:
         allowed = strategy.hit(item, *identifiers)
         reset, remaining = strategy.get_window_stats(item, *identifiers)

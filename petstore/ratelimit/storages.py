@@ -23,12 +23,14 @@ and end. Two changes to the `limits` storages, found by profiling the request pa
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from limits import RateLimitItem
 from limits.storage import (
     MemoryStorage,
     RedisClusterStorage,
@@ -52,11 +54,13 @@ local amount = tonumber(ARGV[1])
 local counted = {}
 for i, key in ipairs(KEYS) do
     local current = redis.call("incrby", key, amount)
-    if current == amount then
+    local ttl = redis.call("pttl", key)
+    if ttl < 0 then  -- a new window (a count back at zero after a release keeps its end)
         redis.call("expire", key, ARGV[2 * i])
+        ttl = ARGV[2 * i] * 1000
     end
     counted[#counted + 1] = current
-    counted[#counted + 1] = redis.call("pttl", key)
+    counted[#counted + 1] = ttl
     if current > tonumber(ARGV[2 * i + 1]) then
         break
     end
@@ -65,6 +69,76 @@ local now = redis.call("time")
 counted[#counted + 1] = now[1]
 counted[#counted + 1] = now[2]
 return counted
+"""
+
+# A lease (petstore.ratelimit.leases): grant at most ARGV[1] requests of every window at once,
+# no more than what is left unreserved in each window divided by 2 x ARGV[2] (the workers that
+# share the key), but one while anything is left; none when a window is spent. The grant is
+# counted in every window at once (started with ARGV[2i+1] seconds when new, allowing
+# ARGV[2i+2]). Returns the grant, each window's count and time to live, and Redis's clock.
+RESERVE_WINDOWS = b"""
+local grant = tonumber(ARGV[1])
+local sharers = tonumber(ARGV[2])
+local counts = {}
+for i, key in ipairs(KEYS) do
+    counts[i] = tonumber(redis.call("get", key) or "0")
+    local left = tonumber(ARGV[2 * i + 2]) - counts[i]
+    grant = math.min(grant, math.max(math.floor(left / (2 * sharers)), math.min(left, 1)))
+end
+grant = math.max(grant, 0)
+local counted = {grant}
+for i, key in ipairs(KEYS) do
+    local ttl = redis.call("pttl", key)
+    if grant > 0 then
+        counts[i] = redis.call("incrby", key, grant)
+        if ttl < 0 then
+            redis.call("expire", key, ARGV[2 * i + 1])
+            ttl = ARGV[2 * i + 1] * 1000
+        end
+    end
+    counted[#counted + 1] = counts[i]
+    counted[#counted + 1] = ttl
+end
+local now = redis.call("time")
+counted[#counted + 1] = now[1]
+counted[#counted + 1] = now[2]
+return counted
+"""
+
+# Give back ARGV[1] unspent requests of a lease to each window (KEYS[i]) that is still the one
+# leased from: the one ending at ARGV[i+1] (milliseconds, Redis's clock) give or take 100 ms. A
+# window that ended since, and the new one after it, keep their counts. Returns how many windows
+# took them back. (Effects replication: writes after TIME, on a Redis older than 5 too.)
+RELEASE_WINDOWS = b"""
+if redis.replicate_commands then redis.replicate_commands() end
+local now = redis.call("time")
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local given = 0
+for i, key in ipairs(KEYS) do
+    local ttl = redis.call("pttl", key)
+    if ttl > 0 and math.abs(now_ms + ttl - tonumber(ARGV[i + 1])) <= 100 then
+        local count = tonumber(redis.call("get", key) or "0")
+        redis.call("decrby", key, math.min(tonumber(ARGV[1]), count))
+        given = given + 1
+    end
+end
+return given
+"""
+
+# The workers that share the limits: each one's heartbeat (ARGV[1], "leave" on ARGV[3] at its
+# exit) in the sorted set KEYS[1], scored by Redis's clock; beats older than ARGV[2] seconds are
+# forgotten. Returns how many workers beat within them.
+WORKERS = b"""
+if redis.replicate_commands then redis.replicate_commands() end
+local now = tonumber(redis.call("time")[1])
+if ARGV[3] == "leave" then
+    redis.call("zrem", KEYS[1], ARGV[1])
+else
+    redis.call("zadd", KEYS[1], now, ARGV[1])
+end
+redis.call("zremrangebyscore", KEYS[1], "-inf", now - tonumber(ARGV[2]))
+redis.call("expire", KEYS[1], ARGV[2])
+return redis.call("zcard", KEYS[1])
 """
 
 # The window's time to live and Redis's clock, for the end of a window read without counting.
@@ -81,6 +155,27 @@ def storage_clock(seconds: bytes | str | int, microseconds: bytes | str | int) -
 
 # A window to count in: (storage key, seconds it lasts once started, requests it allows).
 StorageWindow = tuple[str, int, int]
+# A window's count after a request (or a lease), and its end on the storage's clock.
+Counted = tuple[int, float]
+
+
+class Reservation(NamedTuple):
+    """What RESERVE_WINDOWS granted: requests (0: a window is spent), each window's (count, end)
+    up to the spent one, and the storage's clock then."""
+
+    granted: int
+    counted: list[Counted]
+    now: float
+
+
+@functools.lru_cache(maxsize=4096)
+def storage_windows(
+    items: tuple[RateLimitItem, ...], identifiers: tuple[str, ...]
+) -> list[StorageWindow]:
+    """The storage's windows to count each item in, as (storage key, expiry, amount): made once
+    per budget, not once per request."""
+    return [(item.key_for(*identifiers), item.get_expiry(), item.amount) for item in items]
+
 
 SCHEME_PREFIX = "petstore+"
 SWEEP_SECONDS = 60.0
@@ -132,6 +227,9 @@ class CountingRedisStorage(RedisStorage):
         super().initialize_storage(uri)
         self.lua_incr_windows = self.get_connection().register_script(INCR_WINDOWS)
         self.lua_window_end = self.get_connection().register_script(WINDOW_END)
+        self.lua_reserve_windows = self.get_connection().register_script(RESERVE_WINDOWS)
+        self.lua_release_windows = self.get_connection().register_script(RELEASE_WINDOWS)
+        self.lua_workers = self.get_connection().register_script(WORKERS)
         # What a Redis that lacks a script answers, from the redis package limits loaded.
         self.no_script: type[Exception] = self.dependencies["redis"].module.exceptions.NoScriptError
 
@@ -159,6 +257,38 @@ class CountingRedisStorage(RedisStorage):
             (int(counted[i]), now + max(int(counted[i + 1]), 0) / 1000)
             for i in range(0, len(counted), 2)
         ]
+
+    def reserve_windows(
+        self, windows: Sequence[StorageWindow], most: int, sharers: int
+    ) -> Reservation:
+        """A lease of at most `most` requests in every window, in one call of RESERVE_WINDOWS."""
+        keys, args = [], [most, sharers]
+        for key, expiry, limit in windows:
+            keys.append(self.prefixed_key(key))
+            args += (expiry, limit)
+        granted, *counted, seconds, microseconds = self.call(self.lua_reserve_windows, keys, args)
+        now = storage_clock(seconds, microseconds)
+        return Reservation(
+            int(granted),
+            [
+                (int(counted[i]), now + max(int(counted[i + 1]), 0) / 1000)
+                for i in range(0, len(counted), 2)
+            ],
+            now,
+        )
+
+    def release_windows(
+        self, windows: Sequence[StorageWindow], unspent: int, ends: Sequence[float]
+    ) -> None:
+        """Give `unspent` requests back to each window that still ends at its `ends` (RELEASE_WINDOWS)."""
+        keys = [self.prefixed_key(key) for key, _expiry, _limit in windows]
+        self.call(self.lua_release_windows, keys, [unspent, *(round(end * 1000) for end in ends)])
+
+    def workers(self, key: str, member: str, horizon: int, leave: bool = False) -> int:
+        """Note this worker's heartbeat (or its leaving) in `key`; how many workers beat within
+        `horizon` seconds (WORKERS)."""
+        args = [member, horizon, "leave" if leave else "beat"]
+        return int(self.call(self.lua_workers, [self.prefixed_key(key)], args))
 
     def get_expiry(self, key: str) -> float:
         """The end of the key's window on Redis's clock (now, if it has none), in one round trip."""
@@ -259,6 +389,26 @@ class CountingClusterStorage(CountingRedisStorage, RedisClusterStorage):
     ) -> list[tuple[int, float]]:
         """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
         return incr_each(self.incr_with_expiry, windows, amount)
+
+    def reserve_windows(
+        self, windows: Sequence[StorageWindow], most: int, sharers: int
+    ) -> Reservation:
+        """A lease window by window (one slot per call): each window grants at most what the one
+        before it did, and the earlier windows get back what a later one did not grant."""
+        counted: list[Counted] = []
+        granted, now = most, 0.0
+        for at, window in enumerate(windows):
+            reserved = super().reserve_windows([window], granted, sharers)
+            counted += reserved.counted
+            now = reserved.now
+            if reserved.granted < granted:
+                ends = [end for _count, end in counted[:at]]
+                for earlier, end in zip(windows[:at], ends, strict=True):
+                    self.release_windows([earlier], granted - reserved.granted, [end])
+                granted = reserved.granted
+            if not granted:
+                break
+        return Reservation(granted, counted, now)
 
 
 def incr_each(

@@ -117,6 +117,8 @@ TABLE: dict[str, tuple[Any, str, Any, str | None]] = {
         "token-bucket",
     ),
     "PETSTORE_RATELIMIT_TUNED_STORAGES": (True, "OFF", False, "2"),
+    "PETSTORE_RATELIMIT_HOT_RATE": (10, "0", 0, "-1"),
+    "PETSTORE_LEASE_IDLE_SECONDS": (1.0, "0.5", 0.5, "0"),
     "PETSTORE_IP_LIMITS": ("60/minute;1000/day", "10/second", "10/second", "10 per"),
     "PETSTORE_ANONYMOUS_CLIENTS": (10_000, "500", 500, "0"),
     "PETSTORE_KEY_CACHE_SECONDS": (1.0, "0", 0.0, "-1"),
