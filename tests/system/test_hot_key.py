@@ -459,6 +459,33 @@ def windows_of(samples: Sequence[Sample]) -> list[Window]:
     return windows
 
 
+def phases(
+    calls: Sequence[Call], key_id: int, windows: Sequence[Window], scripts: Mapping[str, str]
+) -> Counter[str]:
+    """The calls naming the key's windows, by kind and by when in its minute window Redis ran
+    them: its first 2 s, later while it admitted, after its last 200, or outside every window
+    the answers name (before the first, after the last: the exit's releases)."""
+    found: Counter[str] = Counter()
+    for each in calls:
+        if key_id not in each.named()[0]:
+            continue
+        phase = "outside"
+        for window in windows:
+            start = window.reset - 60.0
+            if start - 1 <= each.at < window.reset:
+                # Redis's clock is this host's: compare with when the answers came.
+                last = max((s.wall + s.elapsed for s in window.admitted), default=start)
+                if each.at < start + 2:
+                    phase = "first 2 s"
+                elif each.at <= last:
+                    phase = "admitting"
+                else:
+                    phase = "refusing"
+                break
+        found[f"{kind_of(each, scripts)} ({phase})"] += 1
+    return found
+
+
 def most_in_any_minute(samples: Sequence[Sample]) -> int:
     """The most 200s answered within any 60 s, whatever window they counted in."""
     times = sorted(s.received for s in samples if s.status == 200)
@@ -708,7 +735,9 @@ def test_hot_key_costs_few_redis_calls_and_never_over_admits(
     lines += [
         "(hot's all calls: those naming it, and housekeeping, which names no key; cold's: those naming it)",
         "hot key's calls: " + ", ".join(f"{k} {n}" for k, n in sorted(hot_calls.kinds.items())),
-        "cold key's calls: " + ", ".join(f"{k} {n}" for k, n in sorted(cold_calls.kinds.items())),
+        "cold key's calls: " + ", ".join(f"{k} {n}" for k, n in sorted(cold_scripts.items())),
+        "hot key's calls naming its windows, by the part of its minute window they came in: "
+        + ", ".join(f"{k} {n}" for k, n in sorted(phases(calls, hot_id, windows, scripts).items())),
         f"minute windows of the hot key, by X-RateLimit-Reset (start of the load: {first_wall:.1f}):",
         WINDOW_HEADER,
         *(window.row(first_wall) for window in windows),
