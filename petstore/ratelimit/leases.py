@@ -6,7 +6,7 @@ a pause and the last whole second brought at least RATELIMIT_HOT_RATE of its req
 hot there until a second passes without one. A hot key
 reserves a lease (storages.RESERVE_WINDOWS): requests counted in each of its windows before they
 are spent, at most LEASE_SECONDS of the worker's own rate and at most what is left unreserved
-divided by twice the workers that share the limits, but one while anything is left. So near
+divided by the workers that share the limits, but one while anything is left. So near
 the end of a window a lease is one request, and counting is exact: the limit is never passed,
 and a window refuses early by at most the requests held, unspent, by other workers.
 

@@ -72,7 +72,7 @@ return counted
 """
 
 # A lease (petstore.ratelimit.leases): grant at most ARGV[1] requests of every window at once,
-# no more than what is left unreserved in each window divided by 2 x ARGV[2] (the workers that
+# no more than what is left unreserved in each window divided by ARGV[2] (the workers that
 # share the key), but one while anything is left; none when a window is spent. The grant is
 # counted in every window at once (started with ARGV[2i+1] seconds when new, allowing
 # ARGV[2i+2]). Returns the grant, each window's count and time to live, and Redis's clock.
@@ -83,7 +83,7 @@ local counts = {}
 for i, key in ipairs(KEYS) do
     counts[i] = tonumber(redis.call("get", key) or "0")
     local left = tonumber(ARGV[2 * i + 2]) - counts[i]
-    grant = math.min(grant, math.max(math.floor(left / (2 * sharers)), math.min(left, 1)))
+    grant = math.min(grant, math.max(math.floor(left / sharers), math.min(left, 1)))
 end
 grant = math.max(grant, 0)
 local counted = {grant}

@@ -220,8 +220,8 @@ def test_unspent_requests_go_back_only_to_the_windows_leased_from(
 ) -> None:
     storage = workers[0].storage
     windows = [("short", 1, 100), ("long", 60, 1000)]
-    leased = storage.reserve_windows(windows, 40, 2)
-    assert leased.granted == 25, "a quarter: what is left of 100 over twice 2 workers"
+    leased = storage.reserve_windows(windows, 40, 4)
+    assert leased.granted == 25, "a quarter: what is left of 100 over 4 workers"
     assert [count for count, _end in leased.counted] == [25, 25]
     time.sleep(1.2)  # the short window ends; a new one starts
     storage.incr_windows(windows)

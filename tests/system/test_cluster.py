@@ -106,13 +106,13 @@ def test_a_lease_is_reserved_and_given_back_window_by_window(
     )
     windows = [("lease/minute", 60, 100), ("lease/day", 600, 30)]
     assert len({storage.prefixed_key(key) for key, _, _ in windows}) == 2
-    leased = storage.reserve_windows(windows, 80, 1)
-    # The minute grants 50 (half of what is left, one worker), the day 15: the minute gets 35 back.
+    leased = storage.reserve_windows(windows, 80, 2)
+    # The minute grants 50 (what is left over 2 workers), the day 15: the minute gets 35 back.
     assert leased.granted == 15
     assert [storage.get(key) for key, _, _ in windows] == [15, 15]
     storage.release_windows(windows, 5, [end for _count, end in leased.counted])
     assert [storage.get(key) for key, _, _ in windows] == [10, 10]
-    granted = [storage.reserve_windows(windows, 80, 1).granted for _ in range(12)]
+    granted = [storage.reserve_windows(windows, 80, 2).granted for _ in range(12)]
     assert sum(granted) == 20 and granted[-1] == 0, granted
     assert [storage.get(key) for key, _, _ in windows] == [30, 30]
 
