@@ -363,6 +363,11 @@ class Options:
         "also serve the service with synchronous_commit off in the production path's "
         "rotation: what a commit's wait for its WAL flush costs each scenario",
     )
+    cold_keys: bool = option(
+        False,
+        "also serve the service with every key counted request by request "
+        "(PETSTORE_RATELIMIT_HOT_RATE=0: no leases) in the production path's rotation",
+    )
     size_comparison: int | None = option(
         None,
         "also serve the production path's service on a second database of PETS pets beside "
@@ -405,6 +410,7 @@ class Options:
             + ("" if self.configs else " --no-configs")
             + (f" --baseline {self.baseline}" if self.baseline else "")
             + (" --commit-wait" if self.commit_wait else "")
+            + (" --cold-keys" if self.cold_keys else "")
             + (f" --size-comparison {self.size_comparison}" if self.size_comparison else "")
             + (" --production-only" if self.production_only else "")
             + "".join(f" --scenario {shlex.quote(name)}" for name in self.scenarios)
@@ -519,6 +525,8 @@ def bench(options: Options) -> int:
         production += (dataclasses.replace(PRODUCTION[0], commit=options.baseline),)
     if options.commit_wait:
         production += (dataclasses.replace(PRODUCTION[0], without=("synchronous commit",)),)
+    if options.cold_keys:
+        production += (dataclasses.replace(PRODUCTION[0], without=("leases",)),)
     run = Run(sizes=options.run_sizes())
     run.groups = [
         (

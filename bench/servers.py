@@ -42,8 +42,9 @@ class Server:
     and whether wrk reaches it through nginx.
 
     `without` switches parts of the service off, to show what they cost: "limiter" (the
-    factory called with RATELIMIT_ENABLED off), "request log" (PETSTORE_LOG_LEVEL=warning) and
-    "synchronous commit" (synchronous_commit off on its connections).
+    factory called with RATELIMIT_ENABLED off), "request log" (PETSTORE_LOG_LEVEL=warning),
+    "synchronous commit" (synchronous_commit off on its connections) and "leases" (every key
+    counted request by request: PETSTORE_RATELIMIT_HOT_RATE=0).
     """
 
     app: str  # SERVICE, FLASK_FLOOR or RAW_FLOOR
@@ -195,6 +196,8 @@ def server_env(server: Server, database_url: str, redis_url: str) -> dict[str, s
         # libpq passes it to every connection of the pool: a commit no longer waits for its WAL
         # flush. Only to measure what that wait costs; never a setting to serve with.
         env["PGOPTIONS"] = "-c synchronous_commit=off"
+    if "leases" in server.without:
+        env["PETSTORE_RATELIMIT_HOT_RATE"] = "0"
     return env
 
 
@@ -224,6 +227,8 @@ def shown_command(server: Server) -> str:
         settings.append("PETSTORE_LOG_LEVEL=warning")
     if "synchronous commit" in server.without:
         settings.append("PGOPTIONS='-c synchronous_commit=off'")
+    if "leases" in server.without:
+        settings.append("PETSTORE_RATELIMIT_HOT_RATE=0")
     command = [".venv/bin/python", "-m", "gunicorn", "-c", GUNICORN_CONFIG, *server_app(server)]
     shown = f"DATABASE_URL=<bench database> BIND=127.0.0.1:<port> {' '.join(settings)} "
     shown += shlex.join(command)
