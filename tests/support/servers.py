@@ -45,6 +45,40 @@ def free_port() -> int:
             return port
 
 
+def pid_logging_gunicorn(
+    database_url: str,
+    storage_uri: str,
+    log_path: Path,
+    environ: Mapping[str, str],
+    *,
+    workers: int,
+    threads: int,
+    server_class: type[Gunicorn] | None = None,
+) -> Gunicorn:
+    """A gunicorn (not started) on this limiter storage, logging each request's worker pid
+    (ACCESS_PID_FORMAT), with `environ` on top."""
+    gunicorn_args = [
+        "--access-logfile -",
+        f"--access-logformat {ACCESS_PID_FORMAT}",
+        # A worker takes no more connections than it has threads, so that a burst spreads
+        # over the workers instead of queueing inside the first one to wake up.
+        f"--worker-connections {threads}",
+        # Several gunicorns may run at once; the default control socket path is shared.
+        "--no-control-socket",
+    ]
+    return (server_class or Gunicorn)(
+        {
+            "DATABASE_URL": database_url,
+            "RATELIMIT_STORAGE_URI": storage_uri,
+            "GUNICORN_CMD_ARGS": " ".join(gunicorn_args),
+            **environ,
+        },
+        log_path,
+        workers=workers,
+        threads=threads,
+    )
+
+
 def accepts_connections(port: int, host: str = LOOPBACK, timeout: float = 1.0) -> bool:
     """Whether something accepts TCP connections on `host`:`port` right now."""
     try:

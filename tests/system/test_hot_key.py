@@ -42,12 +42,12 @@ from tests.support import reports
 from tests.support.checks import call, http_getter
 from tests.support.redis_servers import RedisServer
 from tests.support.servers import (
-    ACCESS_PID_FORMAT,
     LOOPBACK,
     Gunicorn,
     ServerFailed,
     Service,
     log_tail,
+    pid_logging_gunicorn,
 )
 
 HOT_KEY_SECONDS = float(os.environ.get("PETSTORE_TEST_HOT_KEY_SECONDS", "180"))
@@ -548,23 +548,8 @@ def issue(conn: db.Connection, label: str) -> tuple[str, int]:
 
 def instance(database_url: str, redis_url: str, log_path: Path) -> Gunicorn:
     """A gunicorn of WORKERS workers (not started) on this Redis, logging each request's worker pid."""
-    gunicorn_args = [
-        "--access-logfile -",
-        f"--access-logformat {ACCESS_PID_FORMAT}",
-        # A worker takes no more connections than it has threads: the load spreads over both.
-        f"--worker-connections {THREADS}",
-        "--no-control-socket",
-    ]
-    return Gunicorn(
-        {
-            "DATABASE_URL": database_url,
-            "RATELIMIT_STORAGE_URI": redis_url,
-            "GUNICORN_CMD_ARGS": " ".join(gunicorn_args),
-            **ENVIRON,
-        },
-        log_path,
-        workers=WORKERS,
-        threads=THREADS,
+    return pid_logging_gunicorn(
+        database_url, redis_url, log_path, ENVIRON, workers=WORKERS, threads=THREADS
     )
 
 

@@ -29,7 +29,7 @@ from tests.support.checks import (
     retry_after,
 )
 from tests.support.redis_servers import RedisServer, loopback_redis_url
-from tests.support.servers import ACCESS_PID_FORMAT, Gunicorn, SilentServer
+from tests.support.servers import Gunicorn, SilentServer, pid_logging_gunicorn
 
 FREE_PER_MINUTE = 60
 # The limiter's socket timeouts (PETSTORE_REDIS_TIMEOUT, here its default), set explicitly.
@@ -180,26 +180,14 @@ def gunicorn(
     **environ: str,
 ) -> Gunicorn:
     """A gunicorn (not started) on this storage, logging each request's worker pid."""
-    gunicorn_args = [
-        "--access-logfile -",
-        f"--access-logformat {ACCESS_PID_FORMAT}",
-        # A worker takes no more connections than it has threads, so that a burst spreads
-        # over the workers instead of queueing inside the first one to wake up.
-        f"--worker-connections {threads}",
-        # Several gunicorns may run at once; the default control socket path is shared.
-        "--no-control-socket",
-    ]
-    return server_class(
-        {
-            "DATABASE_URL": database_url,
-            "RATELIMIT_STORAGE_URI": storage_uri,
-            "GUNICORN_CMD_ARGS": " ".join(gunicorn_args),
-            **BASE_ENVIRON,
-            **environ,
-        },
+    return pid_logging_gunicorn(
+        database_url,
+        storage_uri,
         log_path,
+        {**BASE_ENVIRON, **environ},
         workers=workers,
         threads=threads,
+        server_class=server_class,
     )
 
 
