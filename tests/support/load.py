@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -157,8 +158,9 @@ def versions(url: str) -> set[str]:
 
 
 def p99(answers: list[Answer]) -> float:
+    """The 99th percentile of the answers' times (nan for none)."""
     times = sorted(answer.elapsed for answer in answers)
-    return times[int(len(times) * 0.99)]
+    return times[int(len(times) * 0.99)] if times else math.nan
 
 
 @contextmanager
