@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,14 +133,12 @@ class Leases:
         hot_rate: int,
         idle_seconds: float,
         workers_key: str,
-        clock: Callable[[], float] = time.time,
         name: str = "",
     ) -> None:
         self.storage = storage
         self.hot_rate = hot_rate
         self.idle_seconds = idle_seconds
         self.workers_key = workers_key
-        self.clock = clock
         self.budgets: dict[Budgets, Budget] = {}
         self.giving_back: list[tuple[Sequence[StorageWindow], int, tuple[float, ...]]] = []
         self.lock = threading.Lock()
@@ -158,7 +156,7 @@ class Leases:
         it has one, else with a new lease when the key is hot, else in the storage (one call).
         (within the limit, remaining, reset) of each item, up to the first one spent. Raises
         what the storage raises."""
-        now = self.clock()
+        now = time.time()
         if self.pid != os.getpid():
             self.start()
         with self.lock:
@@ -178,11 +176,11 @@ class Leases:
                     return budget.lease_answer()
                 self.give_back_later(budget)
             hot = bool(self.hot_rate) and budget.rate.hot(self.hot_rate, now)
-            most = max(1, math.ceil(LEASE_SECONDS * budget.rate.per_second()))
         if not hot:
             return counted(items, self.storage.incr_windows(budget.windows))
+        most = max(1, math.ceil(LEASE_SECONDS * budget.rate.per_second()))
         reserved = self.storage.reserve_windows(budget.windows, most, self.sharers)
-        now = self.clock()
+        now = time.time()
         # The storage's clock, on this host's: leases and refusals end with their windows.
         offset = now - reserved.now
         with self.lock:
@@ -225,7 +223,7 @@ class Leases:
     def sweep(self) -> None:
         """Give back the leases idle for LEASE_IDLE_SECONDS or past their window, forget quiet
         budgets, and beat when due."""
-        now = self.clock()
+        now = time.time()
         with self.lock:
             for key, budget in list(self.budgets.items()):
                 if budget.tokens and (
@@ -264,7 +262,7 @@ class Leases:
                 budget.refused = []
         self.next_beat = math.inf
         self.sweep()
-        self.beat(self.clock(), leave=True)
+        self.beat(time.time(), leave=True)
 
 
 def counted(items: tuple[RateLimitItem, ...], counts: list[Counted]) -> list[Result]:
