@@ -3,7 +3,11 @@
 A cold key costs one Redis call per request (storages.INCR_WINDOWS), which bounds one busy key
 by one Redis core. A key turns hot in a worker once the worker has seen it for a second without
 a pause and the last whole second brought at least RATELIMIT_HOT_RATE of its requests, and stays
-hot there until a second passes without one. A hot key
+hot there until a second passes without one. After such a pause, while the window it last
+leased from goes on, its next request is counted in the storage (one call) and, if that count
+is in the same window, the key is hot again at once: a worker that gets a busy key in bursts
+does not count it request by request for a second after each gap. (A window that changed, for
+example a storage emptied by a test, means a second's exact count again.) A hot key
 reserves a lease (storages.RESERVE_WINDOWS): requests counted in each of its windows before they
 are spent, at most LEASE_SECONDS of the worker's own rate and at most what is left unreserved
 divided by the workers that share the limits, but one while anything is left. So near
@@ -56,6 +60,8 @@ BEAT_HORIZON = 30
 FORGET_SECONDS = 10.0
 # What a worker's exit waits, at most, to give its leases back.
 EXIT_SECONDS = 1.0
+# Two ends of a window on the storage's clock, as answered by two calls, within this: one window.
+SAME_END = 0.2
 
 # (within the limit, remaining, reset) of one window: what PlanLimiter.count answers.
 Result = tuple[bool, int, float]
@@ -66,7 +72,7 @@ class Rate:
     """A budget's requests in this worker, per whole second, how long they came without a pause
     of a second, and whether they made the key hot."""
 
-    __slots__ = ("current", "heated", "last", "second", "seen", "since")
+    __slots__ = ("current", "heated", "last", "paused_hot", "second", "seen", "since")
 
     def __init__(self, now: float) -> None:
         self.second = int(now)
@@ -74,12 +80,13 @@ class Rate:
         self.last = 0  # requests in the second before it
         self.since = self.seen = now
         self.heated = False
+        self.paused_hot = False  # hot until the pause this request ended
 
     def add(self, now: float) -> None:
         """Count a request at `now`."""
         if now - self.seen > 1.0:
             self.since = now
-            self.heated = False
+            self.paused_hot, self.heated = self.heated, False
         self.seen = now
         second = int(now)
         if second != self.second:
@@ -93,6 +100,11 @@ class Rate:
         if not self.heated:
             self.heated = now - self.since >= 1.0 and self.last >= threshold
         return self.heated
+
+    def resume(self, hot: bool) -> None:
+        """After a pause: hot again at once if `hot` and the key was hot before it."""
+        self.heated = self.heated or (hot and self.paused_hot)
+        self.paused_hot = False
 
     def per_second(self) -> int:
         """The rate a lease is sized by."""
@@ -164,9 +176,11 @@ class Leases:
             if budget is None:
                 windows = storage_windows(items, identifiers)
                 budget = self.budgets[(items, identifiers)] = Budget(Rate(now), windows)
-            budget.rate.add(now)
+            rate = budget.rate
+            rate.add(now)
             if budget.refused:
                 if now < budget.refused_until:
+                    rate.resume(True)  # its window goes on, refused: a pause does not cool it
                     return budget.refused
                 budget.refused = []
             if budget.tokens:
@@ -175,10 +189,16 @@ class Leases:
                     budget.used_at = now
                     return budget.lease_answer()
                 self.give_back_later(budget)
-            hot = bool(self.hot_rate) and budget.rate.hot(self.hot_rate, now)
+            hot = bool(self.hot_rate) and rate.hot(self.hot_rate, now)
+            resuming = rate.paused_hot and now < budget.until
+            rate.paused_hot = resuming
         if not hot:
-            return counted(items, self.storage.incr_windows(budget.windows))
-        most = max(1, math.ceil(LEASE_SECONDS * budget.rate.per_second()))
+            counts = self.storage.incr_windows(budget.windows)
+            if resuming:  # hot again if this count is in the window it leased from
+                with self.lock:
+                    rate.resume(bool(counts) and abs(counts[0][1] - budget.ends[0]) <= SAME_END)
+            return counted(items, counts)
+        most = max(1, math.ceil(LEASE_SECONDS * rate.per_second()))
         reserved = self.storage.reserve_windows(budget.windows, most, self.sharers)
         now = time.time()
         # The storage's clock, on this host's: leases and refusals end with their windows.
@@ -189,7 +209,7 @@ class Leases:
                 budget.refused_until = budget.refused[-1][2] + offset
                 return budget.refused
             ends = tuple(end for _count, end in reserved.counted)
-            if budget.tokens and budget.ends and abs(budget.ends[0] - ends[0]) > 0.2:
+            if budget.tokens and budget.ends and abs(budget.ends[0] - ends[0]) > SAME_END:
                 self.give_back_later(budget)  # another thread's lease, of the window before
             budget.tokens += reserved.granted - 1
             budget.ends = ends

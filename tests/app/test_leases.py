@@ -5,6 +5,7 @@ strikes in batches."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -19,7 +20,7 @@ from limits import RateLimitItemPerMinute, RateLimitItemPerSecond
 
 from petstore.ratelimit import storages
 from petstore.ratelimit.bans import Tallies
-from petstore.ratelimit.leases import Leases, Result
+from petstore.ratelimit.leases import LEASE_SECONDS, Leases, Result
 from petstore.ratelimit.limiter import shares
 
 HOT_RATE = 5
@@ -213,6 +214,76 @@ def test_a_spent_window_is_refused_without_a_call_until_it_ends(workers: list[Le
     refusals = [leases.count(items, identifiers) for _ in range(100)]
     assert all(answer == [(False, 0, refusals[0][0][2])] for answer in refusals)
     assert calls(workers, "key:4") == before, "a remembered refusal makes no call"
+
+
+def heat(leases: Leases, items: tuple[Any, ...], identifiers: tuple[str, ...]) -> None:
+    """50 requests a second for 1.5 s: the key is hot in this worker, and leasing."""
+    for _ in range(75):
+        leases.count(items, identifiers)
+        time.sleep(0.02)
+
+
+def test_a_pause_in_the_window_leased_from_costs_one_call(workers: list[Leases]) -> None:
+    """A busy key that a worker gets in bursts: after a gap, one exact count, then leases again."""
+    leases = workers[0]
+    items = (RateLimitItemPerMinute(10_000),)
+    identifiers = ("fixed-window", "key:5", "global")
+    heat(leases, items, identifiers)
+    assert calls(workers, "key:5")["reserve"] >= 1
+    time.sleep(1.5)  # a pause: the lease goes back idle, the window goes on
+    before = calls(workers, "key:5")
+    after_pause = leases.count(items, identifiers)
+    assert calls(workers, "key:5") - before == Counter({"incr": 1})
+    assert after_pause[0][0] and after_pause[0][1] < 10_000
+    for _ in range(20):
+        leases.count(items, identifiers)
+        time.sleep(0.02)
+    spent = calls(workers, "key:5") - before
+    # Leases again at once, sized by the rate since the pause (so the first ones are small).
+    assert spent["incr"] == 1 and 1 <= spent["reserve"] <= 5, spent
+
+
+def test_a_pause_past_a_new_window_counts_request_by_request_again(
+    redis_url: str, workers: list[Leases]
+) -> None:
+    """A storage emptied during the pause (as between tests) has a new window: the paused key is
+    counted exactly again, request by request, until it has come for a second."""
+    leases = workers[0]
+    items = (RateLimitItemPerMinute(1000),)
+    identifiers = ("fixed-window", "key:6", "global")
+    heat(leases, items, identifiers)
+    time.sleep(1.5)
+    server = redis.Redis.from_url(redis_url)
+    server.delete("LIMITS:" + items[0].key_for(*identifiers))
+    time.sleep(1.0)  # a new window, its end a second later than the one leased from
+    before = calls(workers, "key:6")
+    answers = [leases.count(items, identifiers) for _ in range(30)]
+    assert calls(workers, "key:6") - before == Counter({"incr": 30})
+    assert [answer[0][1] for answer in answers] == list(range(999, 969, -1))
+
+
+def test_a_worker_killed_holding_a_lease_costs_its_window_that_lease_only(
+    workers: list[Leases],
+) -> None:
+    """SIGKILL gives nothing back: the window refuses early by what the dead worker held, no
+    more, and that is at most one lease (two seconds of its rate)."""
+    items = (RateLimitItemPerMinute(1000),)
+    identifiers = ("fixed-window", "key:7", "global")
+    dead, *alive = workers
+    heat(dead, items, identifiers)
+    held = dead.budgets[(items, identifiers)].tokens
+    dead.pid = -1  # killed: its keeper stops at its next sweep, and nothing goes back
+    time.sleep(0.5)
+    admitted = 75
+    refused_in_a_row = 0
+    for number in itertools.count():
+        answer = alive[number % len(alive)].count(items, identifiers)
+        admitted += all(ok for ok, _remaining, _reset in answer)
+        refused_in_a_row = 0 if answer[0][0] else refused_in_a_row + 1
+        if refused_in_a_row == 3 * len(alive):
+            break
+    assert 1 <= held <= math.ceil(LEASE_SECONDS * 50), held
+    assert admitted == 1000 - held, (admitted, held)
 
 
 def test_unspent_requests_go_back_only_to_the_windows_leased_from(
