@@ -153,6 +153,14 @@ def storage_clock(seconds: bytes | str | int, microseconds: bytes | str | int) -
     return int(seconds) + int(microseconds) / 1_000_000
 
 
+def counts_and_ends(counted: Sequence[Any], now: float) -> list[tuple[int, float]]:
+    """(count, end) of each window from a script's flat (count, milliseconds to live) pairs."""
+    return [
+        (int(counted[i]), now + max(int(counted[i + 1]), 0) / 1000)
+        for i in range(0, len(counted), 2)
+    ]
+
+
 # A window to count in: (storage key, seconds it lasts once started, requests it allows).
 StorageWindow = tuple[str, int, int]
 # A window's count after a request (or a lease), and its end on the storage's clock.
@@ -252,11 +260,7 @@ class CountingRedisStorage(RedisStorage):
             keys.append(self.prefixed_key(key))
             args += (expiry, limit)
         *counted, seconds, microseconds = self.call(self.lua_incr_windows, keys, args)
-        now = storage_clock(seconds, microseconds)
-        return [
-            (int(counted[i]), now + max(int(counted[i + 1]), 0) / 1000)
-            for i in range(0, len(counted), 2)
-        ]
+        return counts_and_ends(counted, storage_clock(seconds, microseconds))
 
     def reserve_windows(
         self, windows: Sequence[StorageWindow], most: int, sharers: int
@@ -268,14 +272,7 @@ class CountingRedisStorage(RedisStorage):
             args += (expiry, limit)
         granted, *counted, seconds, microseconds = self.call(self.lua_reserve_windows, keys, args)
         now = storage_clock(seconds, microseconds)
-        return Reservation(
-            int(granted),
-            [
-                (int(counted[i]), now + max(int(counted[i + 1]), 0) / 1000)
-                for i in range(0, len(counted), 2)
-            ],
-            now,
-        )
+        return Reservation(int(granted), counts_and_ends(counted, now), now)
 
     def release_windows(
         self, windows: Sequence[StorageWindow], unspent: int, ends: Sequence[float]
