@@ -10,18 +10,21 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import redis
+from flask import Flask
 from limits import RateLimitItemPerMinute, RateLimitItemPerSecond
 
+from petstore import db
 from petstore.ratelimit import storages
 from petstore.ratelimit.bans import Tallies
 from petstore.ratelimit.leases import LEASE_SECONDS, Leases, Result
 from petstore.ratelimit.limiter import shares
+from tests.support.checks import assert_error
 
 HOT_RATE = 5
 IDLE_SECONDS = 1.0
@@ -284,6 +287,35 @@ def test_a_worker_killed_holding_a_lease_costs_its_window_that_lease_only(
             break
     assert 1 <= held <= math.ceil(LEASE_SECONDS * 50), held
     assert admitted == 1000 - held, (admitted, held)
+
+
+def test_a_hot_key_refused_from_memory_is_banned_at_the_threshold(
+    make_app: Callable[..., Flask],
+    issue_key: Callable[..., str],
+    conn: db.Connection,
+    redis_url: str,
+) -> None:
+    """End to end in one worker: a hot key's window spent, its refusals remembered and their
+    strikes tallied; the tally reaching the threshold is counted at once and bans the key."""
+    app = make_app(RATELIMIT_STORAGE_URI=redis_url, BAN_THRESHOLD=10, BAN_SECONDS=60)
+    client = app.test_client()
+    key = issue_key("enterprise", per_minute=100, per_day=100_000)
+    headers = {"Authorization": f"Bearer {key}"}
+    answers = []
+    for _ in range(115):  # 50 a second: hot after a second, spent at the 100th
+        answers.append(client.get("/v1/pets?limit=1", headers=headers))
+        time.sleep(0.02)
+    assert [answer.status_code for answer in answers] == [200] * 100 + [429] * 15
+    for answer in answers[100:110]:
+        assert_error(answer, 429, "rate_limited")
+    assert "now banned for 1 minute" in answers[109].get_json()["message"]
+    for answer in answers[110:]:
+        assert_error(answer, 429, "api_key_banned")
+    (ban,) = conn.execute("select key_id, strikes from bans").fetchall()
+    assert ban == {"key_id": 1, "strikes": 10}
+    limiter = app.extensions["petstore.limiter"]
+    assert limiter.leases is not None
+    assert any(budget.refused for budget in limiter.leases.budgets.values()), "not from memory"
 
 
 def test_unspent_requests_go_back_only_to_the_windows_leased_from(
