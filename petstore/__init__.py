@@ -2,14 +2,15 @@
 
 The background work of each worker (each process that runs create_app), in one place: every
 thread a worker runs, what it owns and how it stops. All are daemon threads, so none holds up an
-exit; what must not be lost at exit is written by an atexit hook instead.
+exit; what must not be lost at exit is written by an atexit hook instead. Our own loops run
+through periodic.every.
 
 - psycopg_pool's workers (db.open_pool; standbys.init_app for the read pool): they open, check
   and replace the pool's connections. They stop when the pool is closed, or with the process.
-- petstore-metrics-sampler (metrics.Sampler, in multiprocess mode): writes the worker's tally
-  and gauges every SAMPLE_SECONDS; it ends when its pool is closed or its app is gone, and
-  atexit writes the last second (metrics.flush).
-- petstore-usage-flusher (usage.Flusher): writes the worker's usage counts every
+- petstore-metrics-sampler (metrics.sample_while_open, in multiprocess mode): writes the
+  worker's tally and gauges every SAMPLE_SECONDS; it ends when its pool is closed or its app is
+  gone, and atexit writes the last second (metrics.flush).
+- petstore-usage-flusher (usage.flush_while_open): writes the worker's usage counts every
   USAGE_FLUSH_SECONDS, each batch under durable_write; it ends when its pool is closed or its app
   is gone, and atexit writes the last batch within a bound (usage.flush_at_exit).
 - petstore-commit-watch (durable.CommitWatch, started by the first write): cancels a write still
@@ -19,8 +20,11 @@ exit; what must not be lost at exit is written by an atexit hook instead.
   asks: petstore.tracing.start, from gunicorn's post_fork): sends the sampled spans in batches;
   at exit petstore-trace-flush sends the rest, the exit waiting for it at most
   tracing.EXIT_FLUSH_SECONDS.
-- petstore-log-writer (logs.StdoutHandler, when the request log is buffered): writes the
+- petstore-log-writer (logs.write_while_open, when the request log is buffered): writes the
   pending log lines every FLUSH_SECONDS; it ends when its handler is closed or gone.
+- petstore-leases (ratelimit.leases.sweep_in_this_process, on Redis with the fixed window): gives
+  back idle leases and notes the worker's heartbeat every SWEEP_SECONDS; it ends with its
+  limiter, and atexit gives the leases back within a bound (leases.give_back_at_exit).
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ import logging
 import os
 import random
 import re
-import threading
 import time
 import weakref
 from datetime import UTC, datetime
@@ -16,7 +15,7 @@ from typing import Any
 
 from flask import Response, g, request
 
-from petstore import tracing
+from petstore import periodic, tracing
 
 log = logging.getLogger("petstore.access")
 
@@ -133,23 +132,25 @@ class StdoutHandler(logging.Handler):
     def start_writer(self) -> None:
         """Start this process's writer thread: flush every FLUSH_SECONDS while the handler lives."""
         self.writing = True
-        threading.Thread(
-            target=write_every, args=(weakref.ref(self),), name="petstore-log-writer", daemon=True
-        ).start()
+        periodic.every(
+            FLUSH_SECONDS,
+            self,
+            write_while_open,
+            "petstore-log-writer",
+            "cannot write the request log",
+            wait_first=True,
+        )
 
 
-def write_every(handler: weakref.ref[StdoutHandler]) -> None:
-    """The writer thread: flush the handler every FLUSH_SECONDS until it is gone or closed."""
-    while True:
-        time.sleep(FLUSH_SECONDS)
-        live = handler()
-        if live is None or live.closed:
-            return
-        try:
-            live.flush()
-        except OSError:
-            pass  # stdout is gone (a closed pipe): these lines have nowhere to go
-        del live
+def write_while_open(handler: StdoutHandler) -> bool:
+    """The writer's step, every FLUSH_SECONDS until the handler is closed or gone: its flush."""
+    if handler.closed:
+        return False
+    try:
+        handler.flush()
+    except OSError:
+        pass  # stdout is gone (a closed pipe): these lines have nowhere to go
+    return True
 
 
 def forget_in_child(handler: weakref.ref[StdoutHandler]) -> None:

@@ -18,9 +18,8 @@ import importlib.metadata
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import psycopg
 import psycopg_pool
@@ -37,7 +36,7 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from petstore import tracing
+from petstore import periodic, tracing
 from petstore.config import ConfigError
 from petstore.durable import CommitNotReplicated
 
@@ -86,7 +85,7 @@ LATENCY_BUCKETS = (
     10.0,
 )
 
-# How often each worker writes its pool and limiter gauges (see Sampler).
+# How often each worker writes its pool and limiter gauges (see sample_while_open).
 SAMPLE_SECONDS = 1.0
 
 # Each worker's own process numbers, one series per live worker labelled by its pid ("liveall"):
@@ -202,24 +201,12 @@ class Metrics:
             histogram._sum.inc(slots[-1])
 
     def all(self) -> Iterator[Counter | Gauge | Histogram]:
-        """Every metric object, to register in a one-process registry."""
-        yield from (
-            self.requests,
-            self.latency,
-            self.plan_requests,
-            self.too_many_requests,
-            self.bans_created,
-            self.idempotent_replays,
-            self.database_errors,
-            self.ratelimit_storage_errors,
-            self.ratelimit_fallback,
-            self.pool_size,
-            self.pool_in_use,
-            self.pool_waiting,
-            self.statement_timeout_unpinned,
-            self.build_info,
-            tracing.SPANS_DROPPED,
-        )
+        """Every metric object, to register in a one-process registry: the fields', in order."""
+        for each in fields(self):
+            metric = getattr(self, each.name)
+            if isinstance(metric, Counter | Gauge | Histogram):
+                yield metric
+        yield tracing.SPANS_DROPPED
         yield from self.process.values()
 
 
@@ -429,8 +416,8 @@ def sample(app: Flask) -> None:
     metrics.ratelimit_fallback.set(1 if limiter is not None and limiter.storage_dead else 0)
 
 
-class Sampler(threading.Thread):
-    """Writes one worker's tally and gauges every SAMPLE_SECONDS, until its pool is closed.
+def sample_while_open(app: Flask) -> bool:
+    """The sampler's step, every SAMPLE_SECONDS until the app's pool is closed: `sample`.
 
     In multiprocess mode a scrape is answered by one worker, which reads every worker's files:
     sampling at scrape time would refresh only the answering worker's numbers, and the others'
@@ -439,26 +426,11 @@ class Sampler(threading.Thread):
     stale. So each worker samples itself, off the request path: a scrape sees numbers at most
     SAMPLE_SECONDS old.
     """
-
-    def __init__(self, app: Flask) -> None:
-        super().__init__(name="petstore-metrics-sampler", daemon=True)
-        # A weak reference: an app dropped by its owner (tests) ends its sampler.
-        self.app = weakref.ref(app)
-
-    def run(self) -> None:
-        while True:
-            app = self.app()
-            if app is None:
-                return
-            pool = app.extensions.get("petstore.pool")
-            if pool is not None and pool.closed:
-                return
-            try:
-                sample(app)
-            except Exception:
-                app.logger.exception("cannot sample the pool and limiter gauges")
-            del app
-            time.sleep(SAMPLE_SECONDS)
+    pool = app.extensions.get("petstore.pool")
+    if pool is not None and pool.closed:
+        return False
+    sample(app)
+    return True
 
 
 def metrics_response() -> Response:
@@ -470,14 +442,6 @@ def metrics_response() -> Response:
     return current_app.response_class(
         generate_latest(metrics.registry), mimetype=None, content_type=CONTENT_TYPE_LATEST
     )
-
-
-def service_version() -> str:
-    """The installed distribution's version (setup.cfg)."""
-    try:
-        return importlib.metadata.version("petstore")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def init_app(app: Flask, operation_ids: Mapping[str, str]) -> None:
@@ -501,9 +465,17 @@ def init_app(app: Flask, operation_ids: Mapping[str, str]) -> None:
         for metric in metrics.all():
             metrics.registry.register(metric)
     sunset = time.strftime("%Y-%m-%d", time.gmtime(app.config["SUNSET"]))
-    metrics.build_info.labels(version=service_version(), getpet_sunset=sunset).set(1)
+    metrics.build_info.labels(
+        version=importlib.metadata.version("petstore"), getpet_sunset=sunset
+    ).set(1)
     app.extensions[EXTENSION] = metrics
     if directory:
-        Sampler(app).start()
+        periodic.every(
+            SAMPLE_SECONDS,
+            app,
+            sample_while_open,
+            "petstore-metrics-sampler",
+            "cannot sample the pool and limiter gauges",
+        )
         # A worker that stops (SIGTERM, max_requests) writes its last second; a killed one loses it.
         atexit.register(metrics.flush)

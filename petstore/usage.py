@@ -1,7 +1,7 @@
 """Requests per key, UTC hour and outcome: counted in the worker, written in batches (key_usage).
 
 A request costs a lock and a dict update (count_request, from petstore.pipeline.after_view), never
-a round trip. Each worker's Flusher writes what it counted every USAGE_FLUSH_SECONDS in one
+a round trip. Each worker's flusher writes what it counted every USAGE_FLUSH_SECONDS in one
 statement, on a connection of the pool taken outside any request, and once more when the worker
 stops (atexit: SIGTERM, max_requests, gunicorn's re-exec), so a graceful stop loses nothing. A
 worker killed with kill -9 loses what it counted since its last batch, at most
@@ -32,7 +32,7 @@ import psycopg
 import psycopg_pool
 from flask import Flask, Response, current_app, g
 
-from petstore import durable, metrics, web
+from petstore import durable, metrics, periodic, web
 from petstore.caller import Caller
 from petstore.plans import PLANS
 from petstore.queries import usage as usage_sql
@@ -195,29 +195,13 @@ def flush(app: Flask, within: float | None = None) -> int:
     return counter.flush(app, pool, within)
 
 
-class Flusher(threading.Thread):
-    """Writes one worker's counts every USAGE_FLUSH_SECONDS, until its pool is closed."""
-
-    def __init__(self, app: Flask) -> None:
-        super().__init__(name="petstore-usage-flusher", daemon=True)
-        # A weak reference: an app dropped by its owner (tests) ends its flusher.
-        self.app = weakref.ref(app)
-        self.interval = float(app.config["USAGE_FLUSH_SECONDS"])
-
-    def run(self) -> None:
-        while True:
-            time.sleep(self.interval)
-            app = self.app()
-            if app is None:
-                return
-            pool = app.extensions.get("petstore.pool")
-            if pool is None or pool.closed:
-                return
-            try:
-                flush(app)
-            except Exception:
-                app.logger.exception("cannot write the usage counts")
-            del app
+def flush_while_open(app: Flask) -> bool:
+    """The flusher's step, every USAGE_FLUSH_SECONDS until the app's pool is closed: `flush`."""
+    pool = app.extensions.get("petstore.pool")
+    if pool is None or pool.closed:
+        return False
+    flush(app)
+    return True
 
 
 def flush_at_exit(app_ref: weakref.ref[Flask]) -> None:
@@ -239,5 +223,12 @@ def init_app(app: Flask) -> None:
     metrics.requests_by_plan(
         {(plan, outcome): 0 for plan in PLAN_LABELS for outcome in usage_sql.OUTCOMES}, app
     )
-    Flusher(app).start()
+    periodic.every(
+        float(app.config["USAGE_FLUSH_SECONDS"]),
+        app,
+        flush_while_open,
+        "petstore-usage-flusher",
+        "cannot write the usage counts",
+        wait_first=True,
+    )
     atexit.register(flush_at_exit, weakref.ref(app))

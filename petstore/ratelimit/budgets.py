@@ -102,7 +102,11 @@ def show_unspent() -> Shown | None:
         return None
     who, limits = budget_of(None)
     prefix = current_app.config["RATELIMIT_STRATEGY"]
-    return headers_standing(limiter, prefix, who, limits)
+    try:  # counting nothing; no headers when the storage cannot be read
+        return nearest(window_stats(limiter, prefix, who, limits), limits)
+    except Exception:
+        log.exception("cannot read the rate limit windows")
+        return None
 
 
 def budget_of(caller: Caller | None) -> tuple[str, Limits]:
@@ -171,16 +175,6 @@ def nearest(stood: list[tuple[RateLimitItem, int, int]], limits: Limits) -> Show
     """What the headers show: the limit with the fewest requests left (the first on a tie)."""
     limit, remaining, reset = min(stood, key=lambda window: window[1])
     return Shown(limit, remaining, reset, limits)
-
-
-def headers_standing(limiter: PlanLimiter, prefix: str, who: str, limits: Limits) -> Shown | None:
-    """The standing X-RateLimit-* show, counting nothing: (limit, remaining, reset, limits) of the
-    limit nearest to running out; None when the storage cannot be read (no headers then)."""
-    try:
-        return nearest(window_stats(limiter, prefix, who, limits), limits)
-    except Exception:
-        log.exception("cannot read the rate limit windows")
-        return None
 
 
 @functools.lru_cache(maxsize=1024)

@@ -45,6 +45,7 @@ from typing import Any
 
 from limits import RateLimitItem
 
+from petstore import periodic
 from petstore.ratelimit.storages import Counted, StorageWindow, storage_windows
 
 log = logging.getLogger(__name__)
@@ -106,10 +107,6 @@ class Rate:
         self.heated = self.heated or (hot and self.paused_hot)
         self.paused_hot = False
 
-    def per_second(self) -> int:
-        """The rate a lease is sized by."""
-        return max(self.last, self.current)
-
 
 @dataclass(slots=True)
 class Budget:
@@ -127,13 +124,6 @@ class Budget:
     def lease_answer(self) -> list[Result]:
         """A request admitted from the lease: each window shows the requests still held."""
         return [(True, self.tokens, end) for end in self.ends]
-
-    def take_back(self) -> tuple[Sequence[StorageWindow], int, tuple[float, ...]] | None:
-        """The unspent lease to give back (windows, requests, ends), emptied here; None if none."""
-        if not self.tokens:
-            return None
-        unspent, self.tokens = self.tokens, 0
-        return self.windows, unspent, self.ends
 
 
 class Leases:
@@ -198,7 +188,7 @@ class Leases:
                 with self.lock:
                     rate.resume(bool(counts) and abs(counts[0][1] - budget.ends[0]) <= SAME_END)
             return counted(items, counts)
-        most = max(1, math.ceil(LEASE_SECONDS * rate.per_second()))
+        most = max(1, math.ceil(LEASE_SECONDS * max(rate.last, rate.current)))
         reserved = self.storage.reserve_windows(budget.windows, most, self.sharers)
         now = time.time()
         # The storage's clock, on this host's: leases and refusals end with their windows.
@@ -223,10 +213,10 @@ class Leases:
         return budget is not None and bool(budget.refused)
 
     def give_back_later(self, budget: Budget) -> None:
-        """Queue the budget's unspent lease for the keeper (hold the lock)."""
-        unspent = budget.take_back()
-        if unspent is not None:
-            self.giving_back.append(unspent)
+        """Queue the budget's unspent lease for the keeper, emptied here (hold the lock)."""
+        if budget.tokens:
+            self.giving_back.append((budget.windows, budget.tokens, budget.ends))
+            budget.tokens = 0
 
     def start(self) -> None:
         """In a new process (a forked worker): no leases of the parent's, a heartbeat, a keeper."""
@@ -237,7 +227,13 @@ class Leases:
             self.member = f"{socket.gethostname()}/{self.pid}{self.name}"
             self.budgets.clear()
             self.giving_back.clear()
-        Keeper(self).start()
+        periodic.every(
+            SWEEP_SECONDS,
+            self,
+            sweep_in_this_process,
+            "petstore-leases",
+            "cannot sweep the rate limit leases",
+        )
         atexit.register(give_back_at_exit, weakref.ref(self))
 
     def sweep(self) -> None:
@@ -303,24 +299,13 @@ def spent(items: tuple[RateLimitItem, ...], counts: list[Counted]) -> list[Resul
     return results
 
 
-class Keeper(threading.Thread):
-    """Sweeps one worker's leases every SWEEP_SECONDS, until the limiter is gone."""
-
-    def __init__(self, leases: Leases) -> None:
-        super().__init__(name="petstore-leases", daemon=True)
-        self.leases = weakref.ref(leases)
-
-    def run(self) -> None:
-        while True:
-            leases = self.leases()
-            if leases is None or leases.pid != os.getpid():
-                return
-            try:
-                leases.sweep()
-            except Exception:
-                log.exception("cannot sweep the rate limit leases")
-            del leases
-            time.sleep(SWEEP_SECONDS)
+def sweep_in_this_process(leases: Leases) -> bool:
+    """The keeper's step, every SWEEP_SECONDS until the limiter is gone or the process is not
+    the one that started it: `Leases.sweep`."""
+    if leases.pid != os.getpid():
+        return False
+    leases.sweep()
+    return True
 
 
 def give_back_at_exit(leases_ref: weakref.ref[Leases]) -> None:

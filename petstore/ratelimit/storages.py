@@ -153,18 +153,18 @@ def storage_clock(seconds: bytes | str | int, microseconds: bytes | str | int) -
     return int(seconds) + int(microseconds) / 1_000_000
 
 
-def counts_and_ends(counted: Sequence[Any], now: float) -> list[tuple[int, float]]:
+# A window to count in: (storage key, seconds it lasts once started, requests it allows).
+StorageWindow = tuple[str, int, int]
+# A window's count after a request (or a lease), and its end on the storage's clock.
+Counted = tuple[int, float]
+
+
+def counts_and_ends(counted: Sequence[Any], now: float) -> list[Counted]:
     """(count, end) of each window from a script's flat (count, milliseconds to live) pairs."""
     return [
         (int(counted[i]), now + max(int(counted[i + 1]), 0) / 1000)
         for i in range(0, len(counted), 2)
     ]
-
-
-# A window to count in: (storage key, seconds it lasts once started, requests it allows).
-StorageWindow = tuple[str, int, int]
-# A window's count after a request (or a lease), and its end on the storage's clock.
-Counted = tuple[int, float]
 
 
 class Reservation(NamedTuple):
@@ -244,23 +244,19 @@ class CountingRedisStorage(RedisStorage):
     def incr_windows(
         self, windows: Sequence[StorageWindow], amount: int = 1
     ) -> list[tuple[int, float]]:
-        """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
-        return self.run_incr_windows(windows, amount)
-
-    def incr_with_expiry(self, key: str, expiry: int, amount: int = 1) -> tuple[int, float]:
-        """Add `amount` to the key's window (started with `expiry` s when new): (count, end)."""
-        return self.run_incr_windows([(key, expiry, 0)], amount)[0]
-
-    def run_incr_windows(
-        self, windows: Sequence[StorageWindow], amount: int
-    ) -> list[tuple[int, float]]:
-        """incr_windows in one call of the INCR_WINDOWS script."""
+        """Add `amount` to each window in turn, up to the first over its limit: (count, end) of
+        each, in one call of the INCR_WINDOWS script."""
         keys, args = [], [amount]
         for key, expiry, limit in windows:
             keys.append(self.prefixed_key(key))
             args += (expiry, limit)
         *counted, seconds, microseconds = self.call(self.lua_incr_windows, keys, args)
         return counts_and_ends(counted, storage_clock(seconds, microseconds))
+
+    def incr_with_expiry(self, key: str, expiry: int, amount: int = 1) -> tuple[int, float]:
+        """Add `amount` to the key's window (started with `expiry` s when new): (count, end).
+        This class's one call for one window, on a Cluster too (whose incr_windows calls this)."""
+        return CountingRedisStorage.incr_windows(self, [(key, expiry, 0)], amount)[0]
 
     def reserve_windows(
         self, windows: Sequence[StorageWindow], most: int, sharers: int

@@ -1,7 +1,7 @@
 """Leased budgets (petstore.ratelimit.leases) against the test Redis: simulated workers in one
 process, a seeded interleaving, the issue's bounds for a hot key (calls, never above the limit,
-refusing early by little) and a cold key unchanged; releases, heartbeats, the fallback's share,
-strikes in batches."""
+refusing early by little) and a cold key unchanged; a pause, a worker killed holding a lease,
+releases, heartbeats, the fallback's share, strikes in batches and a ban through the app."""
 
 from __future__ import annotations
 
