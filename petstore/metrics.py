@@ -217,44 +217,34 @@ def build(operation_ids: Mapping[str, str]) -> Metrics:
     Gauges are per worker and summed over the live ones ("livesum"): a dead worker's files are
     dropped by gunicorn's child_exit hook, so its last pool numbers do not linger in the sum.
     """
-    requests = Counter(
-        "petstore_http_requests",
-        "Requests answered, by operation id and HTTP status.",
-        ["operation", "status"],
-        registry=None,
-    )
-    latency = Histogram(
-        "petstore_http_request_duration_seconds",
-        "Time from the first request hook to the response, by operation id.",
-        ["operation"],
-        buckets=LATENCY_BUCKETS,
-        registry=None,
-    )
-    too_many_requests = Counter(
-        "petstore_too_many_requests",
-        "429 answers by Error code: rate_limited (budget spent) or api_key_banned.",
-        ["code"],
-        registry=None,
-    )
-    database_errors = Counter(
-        "petstore_database_errors",
-        "Requests answered 503 because PostgreSQL was unavailable, by kind of error.",
-        ["kind"],
-        registry=None,
-    )
-    plan_requests = Counter(
-        "petstore_plan_requests",
-        "API requests by the plan of their key (none: without a valid key) and outcome: 2xx "
-        "(any status below 400), 4xx (but 429), 429, 5xx. Written with the usage counts "
-        "(petstore.usage), every PETSTORE_USAGE_FLUSH_SECONDS.",
-        ["plan", "outcome"],
-        registry=None,
-    )
     metrics = Metrics(
-        requests=requests,
-        latency=latency,
-        plan_requests=plan_requests,
-        too_many_requests=too_many_requests,
+        requests=Counter(
+            "petstore_http_requests",
+            "Requests answered, by operation id and HTTP status.",
+            ["operation", "status"],
+            registry=None,
+        ),
+        latency=Histogram(
+            "petstore_http_request_duration_seconds",
+            "Time from the first request hook to the response, by operation id.",
+            ["operation"],
+            buckets=LATENCY_BUCKETS,
+            registry=None,
+        ),
+        plan_requests=Counter(
+            "petstore_plan_requests",
+            "API requests by the plan of their key (none: without a valid key) and outcome: 2xx "
+            "(any status below 400), 4xx (but 429), 429, 5xx. Written with the usage counts "
+            "(petstore.usage), every PETSTORE_USAGE_FLUSH_SECONDS.",
+            ["plan", "outcome"],
+            registry=None,
+        ),
+        too_many_requests=Counter(
+            "petstore_too_many_requests",
+            "429 answers by Error code: rate_limited (budget spent) or api_key_banned.",
+            ["code"],
+            registry=None,
+        ),
         bans_created=Counter(
             "petstore_bans_created", "Keys banned for calling on after 429s.", registry=None
         ),
@@ -263,7 +253,12 @@ def build(operation_ids: Mapping[str, str]) -> Metrics:
             "createPet answers replayed for a repeated Idempotency-Key.",
             registry=None,
         ),
-        database_errors=database_errors,
+        database_errors=Counter(
+            "petstore_database_errors",
+            "Requests answered 503 because PostgreSQL was unavailable, by kind of error.",
+            ["kind"],
+            registry=None,
+        ),
         ratelimit_storage_errors=Counter(
             "petstore_ratelimit_storage_errors",
             "Failures of the rate limit storage (Redis) that sent a worker's limiter to its "
@@ -319,11 +314,11 @@ def build(operation_ids: Mapping[str, str]) -> Metrics:
     )
     # Known series start at zero, so that rate() and increase() see their first increment.
     for operation in sorted({*metrics.operations.values(), UNKNOWN}):
-        latency.labels(operation=operation)
+        metrics.latency.labels(operation=operation)
     for code in sorted(TOO_MANY_REQUESTS_CODES):
-        too_many_requests.labels(code=code)
+        metrics.too_many_requests.labels(code=code)
     for _error, kind in DATABASE_ERROR_KINDS:
-        database_errors.labels(kind=kind)
+        metrics.database_errors.labels(kind=kind)
     for reason in tracing.DROP_REASONS:
         tracing.SPANS_DROPPED.labels(reason=reason)
     return metrics

@@ -105,19 +105,14 @@ class PlanLimiter(Limiter):
     ) -> list[Result]:
         """count, in memory while the storage is down: this worker's share of each limit."""
         sharers = 1 if self.leases is None else self.leases.sharers
-        return count_windows(self.fallback, shares(items, sharers), identifiers)
+        fallback = self._fallback_limiter
+        assert fallback is not None
+        return count_windows(fallback, shares(items, sharers), identifiers)
 
     def refusing(self, items: tuple[RateLimitItem, ...], *identifiers: str) -> bool:
         """Whether a hot key's requests are refused in this worker until its window ends (its
         strikes are then counted in batches)."""
         return self.leases is not None and self.leases.refusing(items, identifiers)
-
-    @property
-    def fallback(self) -> RateLimiter:
-        """The in-memory strategy counted in while the storage is down."""
-        fallback = self._fallback_limiter
-        assert fallback is not None
-        return fallback
 
     @property
     def storage_dead(self) -> bool:

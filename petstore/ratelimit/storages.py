@@ -316,7 +316,24 @@ class CountingRedisStorage(RedisStorage):
             raise
 
 
-class SweepingMemoryStorage(MemoryStorage):
+class WindowByWindow:
+    """incr_windows one window at a time, with the storage's own `incr_with_expiry` (memory://,
+    and a Cluster, where a budget's windows may live in different slots)."""
+
+    incr_with_expiry: Any
+
+    def incr_windows(self, windows: Sequence[StorageWindow], amount: int = 1) -> list[Counted]:
+        """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
+        counted = []
+        for key, expiry, limit in windows:
+            count, end = self.incr_with_expiry(key, expiry, amount)
+            counted.append((count, end))
+            if count > limit:
+                break
+        return counted
+
+
+class SweepingMemoryStorage(WindowByWindow, MemoryStorage):
     """memory:// without a timer thread per burst of requests: expired windows swept in line."""
 
     STORAGE_SCHEME = ["petstore+memory"]
@@ -340,12 +357,6 @@ class SweepingMemoryStorage(MemoryStorage):
     def incr(self, key: str, expiry: float, amount: int = 1) -> int:
         return self.incr_with_expiry(key, expiry, amount)[0]
 
-    def incr_windows(
-        self, windows: Sequence[StorageWindow], amount: int = 1
-    ) -> list[tuple[int, float]]:
-        """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
-        return incr_each(self.incr_with_expiry, windows, amount)
-
     def sweep(self, now: float) -> None:
         """Forget every window that has ended."""
         self.next_sweep = now + SWEEP_SECONDS
@@ -367,7 +378,7 @@ class CountingSentinelStorage(CountingRedisStorage, RedisSentinelStorage):
     STORAGE_SCHEME = ["petstore+redis+sentinel"]
 
 
-class CountingClusterStorage(CountingRedisStorage, RedisClusterStorage):
+class CountingClusterStorage(WindowByWindow, CountingRedisStorage, RedisClusterStorage):
     """redis+cluster://: the same count and expiry in one call per window, since the windows'
     keys may live in different slots (one script call touches one slot)."""
 
@@ -376,12 +387,6 @@ class CountingClusterStorage(CountingRedisStorage, RedisClusterStorage):
     def call(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run `script` through the cluster client, which finds the node of the keys' slot."""
         return script(keys, args)
-
-    def incr_windows(
-        self, windows: Sequence[StorageWindow], amount: int = 1
-    ) -> list[tuple[int, float]]:
-        """Add `amount` to each window in turn, up to the first over its limit: (count, end) of each."""
-        return incr_each(self.incr_with_expiry, windows, amount)
 
     def reserve_windows(
         self, windows: Sequence[StorageWindow], most: int, sharers: int
@@ -408,16 +413,3 @@ class CountingClusterStorage(CountingRedisStorage, RedisClusterStorage):
         """Give `unspent` requests back window by window (one slot per call)."""
         for window, end in zip(windows, ends, strict=True):
             super().release_windows([window], unspent, [end])
-
-
-def incr_each(
-    incr_with_expiry: Any, windows: Sequence[StorageWindow], amount: int
-) -> list[tuple[int, float]]:
-    """incr_windows one window at a time, with a storage's own `incr_with_expiry`."""
-    counted = []
-    for key, expiry, limit in windows:
-        count, end = incr_with_expiry(key, expiry, amount)
-        counted.append((count, end))
-        if count > limit:
-            break
-    return counted
