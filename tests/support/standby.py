@@ -60,6 +60,14 @@ class PostgresServer(ServerProcess):
             )
         )
 
+    def promote(self) -> None:
+        """End a standby's recovery (pg_ctl promote) and wait until it takes writes. No session is
+        open on it meanwhile: a query (`select pg_promote()` too) that holds a snapshot while the
+        last WAL is replayed can be cancelled by a conflict with recovery."""
+        run_as_account(
+            [str(PG_BIN / "pg_ctl"), "promote", "-w", "-t", "60", "-D", str(self.datadir)]
+        )
+
     def answers(self) -> bool:
         """Whether it accepts a connection (and, a standby, read-only queries) right now."""
         try:

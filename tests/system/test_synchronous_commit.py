@@ -361,8 +361,8 @@ def test_a_ban_the_429_announced_is_on_the_standby_promoted_after_a_crash(
         os.killpg(primary.process.pid, signal.SIGKILL)
     finally:
         app.extensions["petstore.pool"].close()
+    standby.promote()
     with psycopg.connect(standby.url(APP_DBNAME), autocommit=True) as conn:
-        conn.execute("select pg_promote(wait => true)")
         bans = conn.execute(
             "select count(*) from bans where key_id = %s and banned_until > now()", [row["id"]]
         ).fetchone()
