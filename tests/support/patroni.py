@@ -339,5 +339,20 @@ class Cluster(Service):
     def standby(self) -> PatroniNode:
         return next(node for node in self.nodes if node is not self.primary())
 
+    def whole(self) -> bool:
+        """Whether one node leads and every other is its synchronous standby."""
+        leaders = [node for node in self.nodes if node.process is not None and node.is_primary()]
+        others = [node for node in self.nodes if node not in leaders]
+        return len(leaders) == 1 and all(node.is_sync_standby() for node in others)
+
+    def heal(self) -> None:
+        """Every node's Patroni running again, until one leads and the other is its synchronous
+        standby: a test on a shared cluster starts whole even when the one before it failed
+        halfway, with a node still down."""
+        for node in self.nodes:
+            if node.process is None:
+                node.start()
+        assert poll_until(self.whole, bool, CLUSTER_READY, 0.2), [n.state() for n in self.nodes]
+
     def wait_for_sync_standby(self, node: PatroniNode) -> None:
         assert poll_until(node.is_sync_standby, bool, CLUSTER_READY, 0.2), node.log()

@@ -118,6 +118,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield running
 
 
+@pytest.fixture(autouse=True)
+def whole_cluster(request: pytest.FixtureRequest) -> None:
+    """A test on the loopback cluster starts with both nodes up, one leading and the other its
+    synchronous standby: a test that failed halfway (a node left down) fails alone."""
+    if "cluster" in request.fixturenames:
+        request.getfixturevalue("cluster").heal()
+
+
 @contextmanager
 def serve(cluster: Cluster) -> Iterator[Deployment]:
     """Two instances behind nginx, writing through HAProxy (deploy/haproxy.cfg) to the node that
