@@ -116,9 +116,17 @@ def close_listeners(worker: Any) -> None:
     never serves, and reset them; closed, with no other process listening, a new connection is
     refused at once and nginx sends it, POSTs included, to another instance (during a release,
     USR2, the new master's workers accept it).
+
+    A request the worker accepted before is still served: gunicorn builds its environ from
+    `listener.getsockname()` (the sync worker after the signal, in handle_request), which the
+    wrapper then answers with the address it had, not EBADF (CI saw that POST cut short).
     """
     for listener in worker.sockets:
+        if listener.sock.fileno() == -1:
+            continue  # closed already: a second SIGTERM
+        address = listener.sock.getsockname()
         listener.sock.close()
+        listener.getsockname = lambda address=address: address
 
 
 class SyncWorker(gunicorn.workers.sync.SyncWorker):  # type: ignore[misc]

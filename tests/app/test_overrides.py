@@ -360,6 +360,7 @@ def test_a_sync_worker_stops_listening_on_sigterm_and_takes_a_lost_accept_for_it
     listener: Any,
 ) -> None:
     worker = worker_on(gunicorn_glue.SyncWorker, listener)
+    address = listener.getsockname()
     worker.alive = True
     listener.setblocking(0)
     with pytest.raises(BlockingIOError):
@@ -368,6 +369,11 @@ def test_a_sync_worker_stops_listening_on_sigterm_and_takes_a_lost_accept_for_it
     assert worker.alive is False
     assert listener.sock.fileno() == -1
     worker.accept(listener)  # the accept the signal overtook returns, so the loop can end
+    # A request accepted before the signal is still served: its environ names the listener's
+    # address (gunicorn's handle_request), which must not be EBADF now.
+    assert listener.getsockname() == address
+    worker.handle_exit(15, None)  # a second SIGTERM (at exit, say) finds them closed: no error
+    assert listener.getsockname() == address
     worker.alive = True
     with pytest.raises(OSError):
         worker.accept(listener)  # a bad descriptor on a running worker is still an error
